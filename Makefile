@@ -1,0 +1,45 @@
+# Every target builds its own virtual environment on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+# The CPU build of torch: an unpinned torch would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: install run test test-fast bench bench-quick stress lint typecheck check clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(PY) -m tiercache demo
+
+test: install
+	@command -v redis-server >/dev/null 2>&1 || bash .ci/install-redis || true
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m tiercache bench
+
+bench-quick: install
+	$(PY) -m tiercache bench --quick
+
+stress: install
+	TIERCACHE_STRESS_SECONDS=120 $(PY) -m pytest -q -m slow tests/test_stress.py
+
+lint: install
+	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff format --check src tests examples benchmarks
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+check: lint typecheck test
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info src/*.egg-info

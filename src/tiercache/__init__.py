@@ -1,0 +1,17 @@
+"""tiercache: a tiered KV cache for LLM serving, written for asyncio."""
+
+from tiercache import errors
+from tiercache.errors import TierCacheError
+from tiercache.memory import DeviceKVPool, HostKVPool, KVLayout, PageAllocator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceKVPool",
+    "HostKVPool",
+    "KVLayout",
+    "PageAllocator",
+    "TierCacheError",
+    "__version__",
+    "errors",
+]

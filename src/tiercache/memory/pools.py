@@ -1,0 +1,281 @@
+"""The device (L1) and host (L2) KV pools."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from tiercache.errors import CapacityError, InvalidInputError
+from tiercache.memory.allocator import check_slot_indices
+from tiercache.memory.layout import KVLayout
+from tiercache.memory.pages import PageBuffer
+
+__all__ = ["HOST_LAYOUTS", "DeviceKVPool", "HostKVPool", "HostLayout", "available_host_memory"]
+
+logger = logging.getLogger(__name__)
+
+HostLayout = Literal["layer_first", "page_first"]
+HOST_LAYOUTS: tuple[str, ...] = ("layer_first", "page_first")
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory this process can still take (MemAvailable, capped by cgroup)."""
+    avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    for path, used_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+            if raw == "max":
+                continue
+            with open(used_path) as f:
+                used = int(f.read().strip())
+            avail = min(avail, max(0, int(raw) - used))
+        except (OSError, ValueError):
+            continue
+    return avail
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidInputError(f"not a torch device: {device!r}") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidInputError("device is cuda but CUDA is not available")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise InvalidInputError(f"device must be cpu or cuda, got {dev}")
+    return dev
+
+
+class DeviceKVPool:
+    """The L1 pool: per-layer KV buffers in device memory.
+
+    MHA: ``k_buffer[l]`` and ``v_buffer[l]`` of shape ``(num_slots, num_kv_heads,
+    head_dim)``. MLA: ``kv_buffer[l]`` of shape ``(num_slots, 1, head_dim)``.
+    ``buffers[b][l]`` addresses both uniformly (``b`` = 0 for K / latent, 1 for V).
+
+    Args:
+        layout: the model's KV layout.
+        num_slots: token slots; a multiple of the page size.
+        device: ``"cpu"`` or a CUDA device.
+        k_buffers, v_buffers: MHA tensors an engine already owns, to wrap
+            instead of allocating (one per layer, right shape, dtype, device).
+        kv_buffers: the same for MLA.
+
+    Raises:
+        InvalidInputError: sizes, shapes, dtypes or devices that do not match.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_slots: int,
+        device: str | torch.device = "cpu",
+        *,
+        k_buffers: Sequence[torch.Tensor] | None = None,
+        v_buffers: Sequence[torch.Tensor] | None = None,
+        kv_buffers: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        if not isinstance(layout, KVLayout):
+            raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
+            raise InvalidInputError(f"num_slots must be a positive int, got {num_slots!r}")
+        if num_slots % layout.page_size:
+            raise InvalidInputError(f"num_slots={num_slots} is not a multiple of page_size={layout.page_size}")
+        self.layout = layout
+        self.num_slots = num_slots
+        self.device = _resolve_device(device)
+        shape = (num_slots, layout.num_kv_heads, layout.head_dim)
+        wrapped = [b for b in (k_buffers, v_buffers, kv_buffers) if b is not None]
+        if wrapped:
+            given = [k_buffers, v_buffers] if not layout.mla else [kv_buffers]
+            if layout.mla and (k_buffers is not None or v_buffers is not None):
+                raise InvalidInputError("an MLA pool wraps kv_buffers, not k_buffers/v_buffers")
+            if not layout.mla and kv_buffers is not None:
+                raise InvalidInputError("an MHA pool wraps k_buffers and v_buffers, not kv_buffers")
+            if any(g is None for g in given):
+                raise InvalidInputError("wrap both k_buffers and v_buffers")
+            self.buffers = [self._check_wrapped(list(g or []), shape) for g in given]
+        else:
+            self.buffers = [
+                [torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)]
+                for _ in range(layout.num_buffers)
+            ]
+
+    def _check_wrapped(self, bufs: list[torch.Tensor], shape: tuple[int, ...]) -> list[torch.Tensor]:
+        if len(bufs) != self.layout.num_layers:
+            raise InvalidInputError(f"expected {self.layout.num_layers} layer buffers, got {len(bufs)}")
+        for i, t in enumerate(bufs):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidInputError(f"layer {i} buffer is not a tensor")
+            if tuple(t.shape) != shape:
+                raise InvalidInputError(f"layer {i} buffer has shape {tuple(t.shape)}, expected {shape}")
+            if t.dtype != self.layout.dtype:
+                raise InvalidInputError(f"layer {i} buffer has dtype {t.dtype}, expected {self.layout.dtype}")
+            if t.device != self.device:
+                raise InvalidInputError(f"layer {i} buffer is on {t.device}, expected {self.device}")
+            if not t.is_contiguous():
+                raise InvalidInputError(f"layer {i} buffer is not contiguous")
+        return bufs
+
+    @property
+    def k_buffer(self) -> list[torch.Tensor]:
+        if self.layout.mla:
+            raise InvalidInputError("an MLA pool has kv_buffer, not k_buffer")
+        return self.buffers[0]
+
+    @property
+    def v_buffer(self) -> list[torch.Tensor]:
+        if self.layout.mla:
+            raise InvalidInputError("an MLA pool has kv_buffer, not v_buffer")
+        return self.buffers[1]
+
+    @property
+    def kv_buffer(self) -> list[torch.Tensor]:
+        if not self.layout.mla:
+            raise InvalidInputError("an MHA pool has k_buffer and v_buffer, not kv_buffer")
+        return self.buffers[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.layout.token_bytes
+
+    def __repr__(self) -> str:
+        return f"DeviceKVPool({self.layout.describe()}, num_slots={self.num_slots}, device={self.device})"
+
+
+class HostKVPool:
+    """The L2 pool: one big host buffer, pinned when CUDA is present.
+
+    ``layer_first`` holds ``(B, L, slots, H, D)``: one layer of many tokens is
+    contiguous, which makes layer-by-layer loads one run per layer.
+    ``page_first`` holds ``(B, slots, L, H, D)``: one page is one contiguous run
+    per K/V buffer, so storage IO reads and writes pages in place (2 segments a
+    page instead of ``2 * L``). ``B`` is 2 (K, V) for MHA and 1 for MLA.
+
+    Args:
+        layout: the model's KV layout.
+        num_slots: token slots (a multiple of the page size); or give
+        size_bytes: the memory to use instead, rounded down to whole pages.
+        host_layout: ``"layer_first"`` or ``"page_first"``.
+        pin_memory: pin the buffer (default: when CUDA is available).
+
+    Raises:
+        InvalidInputError: bad sizes or layout name.
+        CapacityError: the pool does not fit in the host memory available.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_slots: int | None = None,
+        *,
+        size_bytes: int | None = None,
+        host_layout: str = "layer_first",
+        pin_memory: bool | None = None,
+    ) -> None:
+        if not isinstance(layout, KVLayout):
+            raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if host_layout not in HOST_LAYOUTS:
+            raise InvalidInputError(f"host_layout must be one of {HOST_LAYOUTS}, got {host_layout!r}")
+        if (num_slots is None) == (size_bytes is None):
+            raise InvalidInputError("give exactly one of num_slots and size_bytes")
+        if size_bytes is not None:
+            if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes <= 0:
+                raise InvalidInputError(f"size_bytes must be a positive int, got {size_bytes!r}")
+            num_slots = size_bytes // layout.page_bytes * layout.page_size
+            if num_slots == 0:
+                raise InvalidInputError(f"size_bytes={size_bytes} is smaller than one page ({layout.page_bytes} bytes)")
+        assert num_slots is not None
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
+            raise InvalidInputError(f"num_slots must be a positive int, got {num_slots!r}")
+        if num_slots % layout.page_size:
+            raise InvalidInputError(f"num_slots={num_slots} is not a multiple of page_size={layout.page_size}")
+        self.layout = layout
+        self.num_slots = num_slots
+        self.host_layout = host_layout
+        need = num_slots * layout.token_bytes
+        avail = available_host_memory()
+        if need > avail * 0.9:
+            raise CapacityError(
+                f"a host pool of {need / 2**30:.2f} GiB does not fit: "
+                f"{avail / 2**30:.2f} GiB of host memory is available"
+            )
+        self.pinned = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        B, L, H, D = layout.num_buffers, layout.num_layers, layout.num_kv_heads, layout.head_dim
+        shape = (B, L, num_slots, H, D) if host_layout == "layer_first" else (B, num_slots, L, H, D)
+        try:
+            self.buffer = torch.empty(shape, dtype=layout.dtype, pin_memory=self.pinned)
+        except RuntimeError as e:  # out of memory, pinning refused
+            raise CapacityError(f"cannot allocate a host pool of {need / 2**30:.2f} GiB: {e}") from e
+        self._bytes = self.buffer.view(-1).view(torch.uint8)
+        self.format = f"{layout.describe()}:{host_layout}"
+        logger.debug("host pool %s: %d slots, %.2f GiB, pinned=%s", self.format, num_slots, need / 2**30, self.pinned)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.layout.token_bytes
+
+    def layer(self, b: int, layer: int) -> torch.Tensor:
+        """The ``(num_slots, H, D)`` view of buffer ``b`` (0 = K/latent, 1 = V), one layer.
+
+        Contiguous in ``layer_first``; strided (one token every ``L*H*D``
+        elements) in ``page_first``.
+        """
+        if self.host_layout == "layer_first":
+            return self.buffer[b, layer]
+        return self.buffer[b, :, layer]
+
+    def tokens(self, b: int, start: int, stop: int) -> torch.Tensor:
+        """All layers of slots ``[start, stop)`` of buffer ``b``: ``(L, n, H, D)`` or ``(n, L, H, D)``."""
+        if self.host_layout == "layer_first":
+            return self.buffer[b, :, start:stop]
+        return self.buffer[b, start:stop]
+
+    def page_buffer(self, slot: int) -> PageBuffer:
+        """A zero-copy `PageBuffer` over the page that starts at slot ``slot``."""
+        ps = self.layout.page_size
+        if slot % ps or not 0 <= slot < self.num_slots:
+            raise InvalidInputError(f"slot {slot} is not the first slot of a page of this pool")
+        tok = self.layout.token_layer_bytes
+        L, B, n = self.layout.num_layers, self.layout.num_buffers, self.num_slots
+        mv = memoryview(self._bytes.numpy())
+        segs: list[memoryview] = []
+        if self.host_layout == "page_first":
+            run = ps * L * tok
+            for b in range(B):
+                off = (b * n + slot) * L * tok
+                segs.append(mv[off : off + run])
+        else:
+            run = ps * tok
+            for b in range(B):
+                for layer in range(L):
+                    off = ((b * L + layer) * n + slot) * tok
+                    segs.append(mv[off : off + run])
+        return PageBuffer(tuple(segs), self.layout.page_bytes, self.format)
+
+    def page_buffers(self, host_indices: torch.Tensor) -> list[PageBuffer]:
+        """One `PageBuffer` per page of ``host_indices`` (page-aligned slots of this pool)."""
+        cpu = check_slot_indices(host_indices, self.layout.page_size, self.num_slots, "host_indices")
+        return [self.page_buffer(s) for s in cpu[:: self.layout.page_size].tolist()]
+
+    def __repr__(self) -> str:
+        return f"HostKVPool({self.format}, num_slots={self.num_slots}, pinned={self.pinned})"

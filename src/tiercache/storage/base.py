@@ -1,0 +1,119 @@
+"""`StorageBackend`: the async interface of every L3 storage tier."""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import NewType, Self
+
+from tiercache.errors import BackendUnavailableError
+from tiercache.memory.pages import PageBuffer
+
+__all__ = ["BackendState", "BackendStats", "PageBuffer", "PageKey", "StorageBackend"]
+
+#: A storage key: the identity namespace and the page's hash chain value,
+#: e.g. ``"3f9a0c1d2b4e5f60-cf97adee...b72"``. Only ``[0-9A-Za-z_.-]``.
+PageKey = NewType("PageKey", str)
+
+
+class BackendState(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True)
+class BackendStats:
+    """Counters every backend keeps (a backend may add its own in ``extra``)."""
+
+    exists_calls: int = 0
+    get_pages: int = 0
+    get_hits: int = 0
+    set_pages: int = 0
+    set_written: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    corrupt_pages: int = 0
+    evictions: int = 0
+    errors: int = 0
+    extra: dict[str, int | float | str] = field(default_factory=dict)
+
+
+class StorageBackend(ABC):
+    """An async map from page key to one page's bytes.
+
+    Every method is a coroutine called from the event loop that owns the
+    backend; blocking work (disk, sockets, checksums of large pages) runs off
+    the loop. A backend is an async resource: ``async with backend:`` closes it
+    on exit, ``aclose()`` is idempotent, any call after close raises
+    `BackendUnavailableError`.
+
+    Failures raise `StorageError` subclasses, which callers treat as a miss.
+    A page that fails its checks when read (corrupt, truncated, other format,
+    other key) is a miss: ``batch_get`` reports it as not arrived, leaves the
+    target untouched, and the backend removes it.
+    """
+
+    #: URL scheme / registry name of the backend class, e.g. ``"file"``.
+    name: str = "abstract"
+
+    def __init__(self) -> None:
+        self.state = BackendState.OPEN
+        self._stats = BackendStats()
+
+    @abstractmethod
+    async def batch_exists(self, keys: Sequence[PageKey]) -> int:
+        """How many of ``keys``, counted from the first, are stored (stops at the first miss)."""
+
+    @abstractmethod
+    async def batch_get(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
+        """Read each key's bytes into the matching page buffer.
+
+        Returns:
+            Per page, whether it arrived. A page that did not arrive (missing,
+            or failing its checks) leaves its buffer untouched.
+        """
+
+    @abstractmethod
+    async def batch_set(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
+        """Store each page under its key; an existing key keeps its first value.
+
+        Returns:
+            Per page, whether the key now holds the page (``True`` too when it
+            already existed).
+        """
+
+    @abstractmethod
+    async def delete(self, keys: Sequence[PageKey]) -> int:
+        """Remove the keys; returns how many existed."""
+
+    @abstractmethod
+    async def clear(self) -> None:
+        """Remove every page this backend holds (in its namespace / prefix)."""
+
+    async def stats(self) -> BackendStats:
+        """A snapshot of the counters."""
+        s = self._stats
+        return BackendStats(**{f: getattr(s, f) for f in s.__dataclass_fields__ if f != "extra"}, extra=dict(s.extra))
+
+    async def aclose(self) -> None:
+        """Release resources. Idempotent."""
+        self.state = BackendState.CLOSED
+
+    def _check_open(self) -> None:
+        if self.state is BackendState.CLOSED:
+            raise BackendUnavailableError(f"the {self.name} backend is closed")
+
+    async def __aenter__(self) -> Self:
+        self._check_open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
