@@ -1,0 +1,788 @@
+"""`FaultyBackend`: a wrapper that makes any `StorageBackend` misbehave on purpose.
+
+It exists to show what tiercache does when storage fails: errors, slow or
+hanging calls, partial batches, wrong bytes, outages and recoveries. A
+`FaultPlan` says which faults to inject, on which operations, how often, and
+from which seed; the same plan and the same sequence of calls give the same
+faults, so a failing run can be replayed.
+
+What each fault kind models (`FaultKind`):
+
+- ``ERROR``: the call raises a `StorageError` subclass (``StorageError`` by
+  default; `BackendUnavailableError` for a refused connection). With
+  ``after=True`` the wrapped call runs first and its effects stand: the reply
+  was lost, not the request.
+- ``LATENCY``: the call is delayed by a fixed or uniformly drawn time, then
+  runs normally.
+- ``TIMEOUT``: the call sleeps ``delay`` seconds, then raises
+  `StorageTimeoutError` (a backend whose own deadline expired).
+- ``HANG``: the call never answers; it ends only when the caller cancels it
+  (cancellation propagates as `asyncio.CancelledError`) or when the wrapper is
+  closed (`BackendUnavailableError`). No task is created, so nothing leaks.
+- ``PARTIAL``: the batch is served in part. ``batch_get`` reads only some of
+  the pages (a prefix, or a random subset) and reports the others as not
+  arrived; the wrapped backend never sees those, so their buffers are really
+  untouched. ``batch_set`` writes only some pages and reports the others as
+  not stored; ``delete`` removes only some keys; ``batch_exists`` reports fewer
+  pages than are stored.
+- ``FLIP`` / ``TRUNCATE``: ``batch_get`` returns wrong bytes for a page and
+  still reports it as arrived: bytes flipped, or only a prefix of the payload
+  copied and the rest zero-filled. The page is read into a scratch buffer by
+  the wrapped backend, damaged, then copied into the caller's buffer. This
+  models a *broken backend*, one that does not verify what it returns (or a
+  fault between its check and the caller); nothing above the backend can
+  detect it, which is exactly why backends verify stored pages with
+  `tiercache.storage.format`. To test that a backend's own checks catch damage
+  *at rest*, use `FaultyBackend.corrupt_stored` / `FaultyBackend.truncate_stored`,
+  which damage the stored bytes themselves through the wrapped backend's
+  optional `RawPageAccess` methods.
+
+Outside the plan, ``fail_all(True)`` makes every call raise
+`BackendUnavailableError` until ``fail_all(False)``: an outage and its
+recovery.
+
+Registry: a URL such as ``faulty+memory://`` can map to this wrapper by
+opening the inner URL (``memory://``) and calling `FaultyBackend.wrap` with a
+plan built from the options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import random
+from collections import deque
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from tiercache.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    InvalidInputError,
+    StateError,
+    StorageError,
+    StorageTimeoutError,
+)
+from tiercache.memory.pages import PageBuffer
+from tiercache.storage.base import BackendState, BackendStats, PageKey, StorageBackend
+
+__all__ = [
+    "OPERATIONS",
+    "FaultEvent",
+    "FaultKind",
+    "FaultPlan",
+    "FaultSpec",
+    "FaultyBackend",
+    "PartialMode",
+    "RawPageAccess",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The operations a fault can target, by name.
+OPERATIONS: frozenset[str] = frozenset({"exists", "get", "set", "delete", "clear"})
+
+
+class FaultKind(enum.Enum):
+    """What an injected fault does (see the module docstring)."""
+
+    ERROR = "error"
+    LATENCY = "latency"
+    TIMEOUT = "timeout"
+    HANG = "hang"
+    PARTIAL = "partial"
+    FLIP = "flip"
+    TRUNCATE = "truncate"
+
+
+class PartialMode(enum.Enum):
+    """Which pages a ``PARTIAL`` fault keeps."""
+
+    #: The first k pages, the rest dropped.
+    PREFIX = "prefix"
+    #: A random subset (at least one page dropped).
+    RANDOM = "random"
+
+
+_SUPPORTED: dict[FaultKind, frozenset[str]] = {
+    FaultKind.ERROR: OPERATIONS,
+    FaultKind.LATENCY: OPERATIONS,
+    FaultKind.TIMEOUT: OPERATIONS,
+    FaultKind.HANG: OPERATIONS,
+    FaultKind.PARTIAL: frozenset({"exists", "get", "set", "delete"}),
+    FaultKind.FLIP: frozenset({"get"}),
+    FaultKind.TRUNCATE: frozenset({"get"}),
+}
+
+#: Kinds that end the call with an exception (or never end it).
+_RAISING = frozenset({FaultKind.ERROR, FaultKind.TIMEOUT, FaultKind.HANG})
+#: Kinds that change a call's result rather than end it.
+_SHAPING = frozenset({FaultKind.PARTIAL, FaultKind.FLIP, FaultKind.TRUNCATE})
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One rule of a `FaultPlan`: which fault, on which operations, how often.
+
+    A call to an operation the spec targets is a *matching call*. The first
+    ``after_calls`` matching calls are left alone; each later one faults with
+    ``probability`` until ``max_faults`` faults were injected by this spec.
+    "Fail the 3rd call only" is ``after_calls=2, max_faults=1``; "fail the
+    first N" is ``max_faults=N``.
+
+    Attributes:
+        kind: what the fault does.
+        ops: the operations targeted (names from `OPERATIONS`); ``None`` means
+            every operation the kind supports. ``PARTIAL`` supports ``exists``,
+            ``get``, ``set``, ``delete``; ``FLIP`` and ``TRUNCATE`` only ``get``.
+        probability: chance, in [0, 1], that a matching call faults.
+        after_calls: matching calls to let through before any fault.
+        max_faults: most faults this spec injects (``None``: no limit).
+        error: the exception class an ``ERROR`` fault raises (a `StorageError`
+            subclass).
+        after: for ``ERROR`` and ``TIMEOUT``, run the wrapped call first and
+            raise after it (its effects stand: a lost reply).
+        delay: seconds for ``LATENCY`` and ``TIMEOUT``: a number, or a
+            ``(low, high)`` range drawn uniformly.
+        partial: which pages a ``PARTIAL`` fault keeps.
+        keep_pages: for a ``PREFIX`` partial fault, how many pages to keep
+            (capped so that at least one page is dropped); ``None`` draws it.
+        pages: how many of the arrived pages a ``FLIP``/``TRUNCATE`` fault
+            damages (``None``: all of them).
+        flip_bytes: how many distinct bytes a ``FLIP`` fault changes per page.
+        keep_bytes: how many payload bytes a ``TRUNCATE`` fault keeps (capped
+            below the page size); ``None`` draws it.
+
+    Raises:
+        ConfigError: a value out of range, or an operation the kind does not
+            support.
+    """
+
+    kind: FaultKind
+    ops: Collection[str] | None = None
+    probability: float = 1.0
+    after_calls: int = 0
+    max_faults: int | None = None
+    error: type[StorageError] = StorageError
+    after: bool = False
+    delay: float | tuple[float, float] = 0.0
+    partial: PartialMode = PartialMode.PREFIX
+    keep_pages: int | None = None
+    pages: int | None = 1
+    flip_bytes: int = 1
+    keep_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            kind = FaultKind(self.kind)
+            partial = PartialMode(self.partial)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "partial", partial)
+        supported = _SUPPORTED[kind]
+        if self.ops is None:
+            ops = supported
+        else:
+            if isinstance(self.ops, str):
+                raise ConfigError(
+                    f"ops must be a collection of operation names, not the string {self.ops!r}"
+                )
+            ops = frozenset(self.ops)
+            if not ops:
+                raise ConfigError("a fault spec must target at least one operation")
+            unknown = ops - OPERATIONS
+            if unknown:
+                raise ConfigError(
+                    f"unknown operations {sorted(unknown)}; choose from {sorted(OPERATIONS)}"
+                )
+            unsupported = ops - supported
+            if unsupported:
+                raise ConfigError(f"a {kind.value} fault cannot apply to {sorted(unsupported)}")
+        object.__setattr__(self, "ops", ops)
+        if not 0.0 <= self.probability <= 1.0:
+            raise ConfigError(f"probability must be in [0, 1], got {self.probability}")
+        if self.after_calls < 0:
+            raise ConfigError(f"after_calls must be >= 0, got {self.after_calls}")
+        if self.max_faults is not None and self.max_faults < 0:
+            raise ConfigError(f"max_faults must be >= 0, got {self.max_faults}")
+        if not (isinstance(self.error, type) and issubclass(self.error, StorageError)):
+            raise ConfigError(f"error must be a StorageError subclass, got {self.error!r}")
+        if self.after and kind not in (FaultKind.ERROR, FaultKind.TIMEOUT):
+            raise ConfigError("after=True applies only to error and timeout faults")
+        if isinstance(self.delay, tuple):
+            lo, hi = self.delay
+            if not 0.0 <= lo <= hi:
+                raise ConfigError(f"delay range must satisfy 0 <= low <= high, got {self.delay}")
+        elif self.delay < 0:
+            raise ConfigError(f"delay must be >= 0, got {self.delay}")
+        if self.keep_pages is not None and self.keep_pages < 0:
+            raise ConfigError(f"keep_pages must be >= 0, got {self.keep_pages}")
+        if self.pages is not None and self.pages < 1:
+            raise ConfigError(f"pages must be >= 1 or None, got {self.pages}")
+        if self.flip_bytes < 1:
+            raise ConfigError(f"flip_bytes must be >= 1, got {self.flip_bytes}")
+        if self.keep_bytes is not None and self.keep_bytes < 0:
+            raise ConfigError(f"keep_bytes must be >= 0, got {self.keep_bytes}")
+
+    def targets(self, op: str) -> bool:
+        """Whether this spec applies to operation ``op``."""
+        assert isinstance(self.ops, frozenset)
+        return op in self.ops
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """The faults to inject, in order, and the seed that makes them reproducible.
+
+    On each call the specs targeting the operation are consulted in order: a
+    ``LATENCY`` fault sleeps and the next spec is consulted; an ``ERROR``,
+    ``TIMEOUT`` or ``HANG`` fault ends the consultation (later specs are not
+    consulted for this call); ``PARTIAL``, ``FLIP`` and ``TRUNCATE`` faults
+    shape the result, in plan order.
+
+    Attributes:
+        specs: the rules.
+        seed: seed of the wrapper's private random generator (``None``: drawn
+            from the OS, not reproducible).
+    """
+
+    specs: Sequence[FaultSpec] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        specs = tuple(self.specs)
+        for s in specs:
+            if not isinstance(s, FaultSpec):
+                raise ConfigError(f"a fault plan holds FaultSpec values, got {s!r}")
+        object.__setattr__(self, "specs", specs)
+
+    @classmethod
+    def of(cls, *specs: FaultSpec, seed: int | None = None) -> FaultPlan:
+        """``FaultPlan.of(spec1, spec2, seed=7)``."""
+        return cls(specs, seed)
+
+
+@dataclass(frozen=True, slots=True)
+class FaultEvent:
+    """One injected fault, as recorded in `FaultyBackend.events`.
+
+    Attributes:
+        call: the wrapper's call number (0-based, over all operations).
+        op: the operation.
+        kind: the fault kind, or ``"outage"`` for a ``fail_all`` refusal.
+        detail: what was done (pages kept, bytes flipped, delay, ...).
+    """
+
+    call: int
+    op: str
+    kind: str
+    detail: str = ""
+
+
+@runtime_checkable
+class RawPageAccess(Protocol):
+    """Optional raw access a backend may offer, so stored bytes can be damaged.
+
+    ``read_raw`` returns exactly what the backend keeps for ``key`` (for the
+    file and redis backends: header and payload), or ``None`` when the key is
+    not stored; ``write_raw`` replaces it verbatim, with no checks.
+    """
+
+    async def read_raw(self, key: PageKey) -> bytes | None: ...
+
+    async def write_raw(self, key: PageKey, data: bytes) -> None: ...
+
+
+@dataclass(slots=True)
+class _SpecState:
+    spec: FaultSpec
+    calls: int = 0
+    faults: int = 0
+
+
+@dataclass(slots=True)
+class _Decision:
+    """The faults drawn for one call, before the wrapped backend is called."""
+
+    call: int
+    op: str
+    delays: list[tuple[_SpecState, float]] = field(default_factory=list)
+    raising: _SpecState | None = None
+    raise_delay: float = 0.0
+    shaping: list[_SpecState] = field(default_factory=list)
+    # A generator private to this call, so results shaped after an await do not
+    # depend on how concurrent calls interleave.
+    rng: random.Random | None = None
+
+
+class FaultyBackend(StorageBackend):
+    """A `StorageBackend` that forwards to another and injects faults on the way.
+
+    Counters of injected faults, by kind (and ``"outage"``), are in
+    `injected` and in ``stats().extra`` under ``"faults.<kind>"``. The most
+    recent events are in `events`.
+
+    All methods run on the event loop that owns the wrapped backend; the
+    control methods (`enable`, `disable`, `set_plan`, `fail_all`) are plain
+    synchronous calls and take effect on the next call.
+
+    Args:
+        inner: the backend to wrap.
+        plan: the faults to inject (default: none).
+        close_inner: whether `aclose` also closes ``inner``.
+        enabled: whether the plan is active from the start.
+        history: how many `FaultEvent` values to keep.
+        sleep: the coroutine function that waits for ``LATENCY`` and
+            ``TIMEOUT`` faults (default `asyncio.sleep`; tests pass a
+            recording one).
+    """
+
+    name = "faulty"
+
+    def __init__(
+        self,
+        inner: StorageBackend,
+        plan: FaultPlan | None = None,
+        *,
+        close_inner: bool = True,
+        enabled: bool = True,
+        history: int = 1024,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        super().__init__()
+        if not isinstance(inner, StorageBackend):
+            raise InvalidInputError(
+                f"FaultyBackend wraps a StorageBackend, got {type(inner).__name__}"
+            )
+        self.inner = inner
+        self.close_inner = close_inner
+        self._enabled = enabled
+        self._down = False
+        self._calls = 0
+        self._counts: dict[str, int] = {k.value: 0 for k in FaultKind}
+        self._counts["outage"] = 0
+        self._pages_dropped = 0
+        self._pages_damaged = 0
+        self._raised = 0
+        self._hangs: set[asyncio.Future[None]] = set()
+        self._sleep = sleep
+        self.events: deque[FaultEvent] = deque(maxlen=history)
+        self.set_plan(plan if plan is not None else FaultPlan())
+
+    @classmethod
+    async def wrap(
+        cls,
+        inner: StorageBackend,
+        plan: FaultPlan | None = None,
+        *,
+        close_inner: bool = True,
+        enabled: bool = True,
+    ) -> FaultyBackend:
+        """Wrap an open backend (the form a registry entry calls).
+
+        Raises:
+            BackendUnavailableError: ``inner`` is closed.
+        """
+        if inner.state is BackendState.CLOSED:
+            raise BackendUnavailableError(f"cannot wrap the {inner.name} backend: it is closed")
+        return cls(inner, plan, close_inner=close_inner, enabled=enabled)
+
+    # -- control ---------------------------------------------------------
+
+    @property
+    def plan(self) -> FaultPlan:
+        return self._plan
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def enable(self) -> None:
+        """Start injecting the plan's faults."""
+        self._enabled = True
+
+    def disable(self) -> None:
+        """Stop injecting the plan's faults (an outage set by `fail_all` stays)."""
+        self._enabled = False
+
+    def set_plan(self, plan: FaultPlan) -> None:
+        """Replace the plan; restarts the spec call counts and the random generator from ``plan.seed``.
+
+        The injected-fault counters are kept.
+        """
+        if not isinstance(plan, FaultPlan):
+            raise InvalidInputError(f"expected a FaultPlan, got {type(plan).__name__}")
+        self._plan = plan
+        self._states = [_SpecState(s) for s in plan.specs]
+        self._rng = random.Random(plan.seed)
+
+    def fail_all(self, down: bool = True) -> None:
+        """Simulate an outage: while ``down``, every call raises `BackendUnavailableError`.
+
+        Independent of `enable` / `disable`. Calls hanging at the time keep
+        hanging.
+        """
+        if down != self._down:
+            logger.info("%s backend outage %s", self.inner.name, "begins" if down else "ends")
+        self._down = down
+
+    @property
+    def down(self) -> bool:
+        return self._down
+
+    @property
+    def injected(self) -> dict[str, int]:
+        """Faults injected so far, by kind value and ``"outage"`` (a copy)."""
+        return dict(self._counts)
+
+    @property
+    def total_injected(self) -> int:
+        return sum(self._counts.values())
+
+    # -- the StorageBackend interface -----------------------------------------
+
+    async def batch_exists(self, keys: Sequence[PageKey]) -> int:
+        d = await self._before("exists")
+        n = await self.inner.batch_exists(keys)
+        for st in d.shaping:
+            assert d.rng is not None
+            if n > 0:
+                kept = self._prefix_len(st.spec, n, d.rng)
+                self._record(st, d, f"reported {kept} of {n}")
+                self._pages_dropped += n - kept
+                n = kept
+        await self._after(d)
+        return n
+
+    async def batch_get(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
+        if len(keys) != len(pages):
+            raise InvalidInputError(f"{len(keys)} keys but {len(pages)} pages")
+        d = await self._before("get")
+        partial = [st for st in d.shaping if st.spec.kind is FaultKind.PARTIAL]
+        damage = [st for st in d.shaping if st.spec.kind is not FaultKind.PARTIAL]
+        idx = list(range(len(keys)))
+        for st in partial:
+            assert d.rng is not None
+            if idx:
+                kept = self._subset(st.spec, len(idx), d.rng)
+                self._record(st, d, f"kept {len(kept)} of {len(idx)} pages")
+                self._pages_dropped += len(idx) - len(kept)
+                idx = [idx[i] for i in kept]
+        sub_keys = [keys[i] for i in idx]
+        if damage:
+            # Read into scratch buffers so damaged bytes reach the caller only
+            # through an ordinary copy, as a broken backend would deliver them.
+            targets = [PageBuffer.allocate(pages[i].nbytes, pages[i].format) for i in idx]
+        else:
+            targets = [pages[i] for i in idx]
+        got = await self.inner.batch_get(sub_keys, targets) if idx else []
+        if damage:
+            assert d.rng is not None
+            self._damage(d, damage, targets, got, idx)
+            for i, t, ok in zip(idx, targets, got, strict=True):
+                if ok:
+                    pages[i].write(t.segments[0])
+        out = [False] * len(keys)
+        for i, ok in zip(idx, got, strict=True):
+            out[i] = ok
+        await self._after(d)
+        return out
+
+    async def batch_set(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
+        if len(keys) != len(pages):
+            raise InvalidInputError(f"{len(keys)} keys but {len(pages)} pages")
+        d = await self._before("set")
+        idx = list(range(len(keys)))
+        for st in d.shaping:
+            assert d.rng is not None
+            if idx:
+                kept = self._subset(st.spec, len(idx), d.rng)
+                self._record(st, d, f"wrote {len(kept)} of {len(idx)} pages")
+                self._pages_dropped += len(idx) - len(kept)
+                idx = [idx[i] for i in kept]
+        if len(idx) == len(keys):
+            out = await self.inner.batch_set(keys, pages)
+        else:
+            out = [False] * len(keys)
+            if idx:
+                got = await self.inner.batch_set([keys[i] for i in idx], [pages[i] for i in idx])
+                for i, ok in zip(idx, got, strict=True):
+                    out[i] = ok
+        await self._after(d)
+        return out
+
+    async def delete(self, keys: Sequence[PageKey]) -> int:
+        d = await self._before("delete")
+        sub = list(keys)
+        for st in d.shaping:
+            assert d.rng is not None
+            if sub:
+                kept = self._subset(st.spec, len(sub), d.rng)
+                self._record(st, d, f"deleted {len(kept)} of {len(sub)} keys")
+                self._pages_dropped += len(sub) - len(kept)
+                sub = [sub[i] for i in kept]
+        n = await self.inner.delete(sub) if sub else 0
+        await self._after(d)
+        return n
+
+    async def clear(self) -> None:
+        d = await self._before("clear")
+        await self.inner.clear()
+        await self._after(d)
+
+    async def stats(self) -> BackendStats:
+        """The wrapped backend's counters, plus the injected faults.
+
+        ``errors`` adds the calls this wrapper failed on purpose; ``extra``
+        gains ``faults.<kind>``, ``faults.outage``, ``faults.total``,
+        ``faults.pages_dropped`` (pages left out by partial faults) and
+        ``faults.pages_damaged`` (pages returned flipped or truncated).
+        """
+        s = await self.inner.stats()
+        s.errors += self._raised
+        for k, v in self._counts.items():
+            s.extra[f"faults.{k}"] = v
+        s.extra["faults.total"] = self.total_injected
+        s.extra["faults.pages_dropped"] = self._pages_dropped
+        s.extra["faults.pages_damaged"] = self._pages_damaged
+        return s
+
+    async def aclose(self) -> None:
+        """Close the wrapper (and ``inner`` when ``close_inner``); hanging calls
+        end with `BackendUnavailableError`. Idempotent."""
+        if self.state is BackendState.CLOSED:
+            return
+        self.state = BackendState.CLOSED
+        for fut in list(self._hangs):
+            if not fut.done():
+                fut.set_exception(BackendUnavailableError(f"the {self.name} backend was closed"))
+        self._hangs.clear()
+        if self.close_inner:
+            await self.inner.aclose()
+
+    # -- damage at rest --------------------------------------------------------
+
+    async def corrupt_stored(
+        self, key: PageKey, *, offset: int | None = None, count: int = 1
+    ) -> bool:
+        """Flip ``count`` bytes of what the wrapped backend stores for ``key``.
+
+        The damage is at rest: the backend's own checks (header, checksums)
+        must catch it on the next read. Needs the wrapped backend to offer
+        `RawPageAccess`. ``offset`` is the first byte to flip (negative counts
+        from the end; default: drawn from the plan's generator); bytes flipped
+        are consecutive and wrap around.
+
+        Returns:
+            Whether the key was stored (and is now damaged).
+
+        Raises:
+            StateError: the wrapped backend has no raw access.
+            InvalidInputError: ``count`` < 1 or ``offset`` out of range.
+        """
+        raw_io = self._raw_io()
+        if count < 1:
+            raise InvalidInputError(f"count must be >= 1, got {count}")
+        raw = await raw_io.read_raw(key)
+        if raw is None:
+            return False
+        data = bytearray(raw)
+        if not data:
+            raise InvalidInputError(f"the stored value of {key} is empty; nothing to flip")
+        if offset is None:
+            offset = self._rng.randrange(len(data))
+        if not -len(data) <= offset < len(data):
+            raise InvalidInputError(f"offset {offset} outside the {len(data)} stored bytes")
+        for j in range(count):
+            data[(offset + j) % len(data)] ^= 0xFF
+        await raw_io.write_raw(key, bytes(data))
+        logger.debug("flipped %d stored bytes of %s at %d", count, key, offset)
+        return True
+
+    async def truncate_stored(self, key: PageKey, length: int | None = None) -> bool:
+        """Cut what the wrapped backend stores for ``key`` to ``length`` bytes.
+
+        Models a torn write at rest. ``length`` defaults to a draw below the
+        stored size. Needs `RawPageAccess` on the wrapped backend.
+
+        Returns:
+            Whether the key was stored (and is now truncated).
+
+        Raises:
+            StateError: the wrapped backend has no raw access.
+            InvalidInputError: ``length`` negative or not below the stored size.
+        """
+        raw_io = self._raw_io()
+        raw = await raw_io.read_raw(key)
+        if raw is None:
+            return False
+        if length is None:
+            length = self._rng.randrange(len(raw)) if raw else 0
+        if not 0 <= length < max(len(raw), 1):
+            raise InvalidInputError(f"length {length} must be in [0, {len(raw)})")
+        await raw_io.write_raw(key, raw[:length])
+        logger.debug("truncated stored %s to %d of %d bytes", key, length, len(raw))
+        return True
+
+    # -- internals -------------------------------------------------------
+
+    def _raw_io(self) -> RawPageAccess:
+        self._check_open()
+        if not isinstance(self.inner, RawPageAccess):
+            raise StateError(
+                f"the {self.inner.name} backend offers no raw access (read_raw / write_raw); "
+                "damage at rest needs it"
+            )
+        return self.inner
+
+    async def _before(self, op: str) -> _Decision:
+        """Draw this call's faults; sleep, raise or hang as they say."""
+        self._check_open()
+        call = self._calls
+        self._calls += 1
+        d = _Decision(call, op)
+        if self._down:
+            self._counts["outage"] += 1
+            self._raised += 1
+            self.events.append(FaultEvent(call, op, "outage"))
+            raise BackendUnavailableError(
+                f"the {self.inner.name} backend is down (simulated outage)"
+            )
+        if not self._enabled:
+            return d
+        for st in self._states:
+            spec = st.spec
+            if not spec.targets(op):
+                continue
+            st.calls += 1
+            if st.calls <= spec.after_calls:
+                continue
+            if spec.max_faults is not None and st.faults >= spec.max_faults:
+                continue
+            # Draw even at probability 1 or 0 so that a plan's other specs see
+            # the same sequence whatever the probabilities.
+            if self._rng.random() >= spec.probability:
+                continue
+            kind = spec.kind
+            if kind is FaultKind.LATENCY:
+                d.delays.append((st, self._draw_delay(spec)))
+            elif kind in _RAISING:
+                d.raising = st
+                if kind is FaultKind.TIMEOUT:
+                    d.raise_delay = self._draw_delay(spec)
+                break
+            else:
+                assert kind in _SHAPING
+                if d.rng is None:
+                    d.rng = random.Random(self._rng.getrandbits(64))
+                d.shaping.append(st)
+        # Every draw for this call is made above, before the first await, so
+        # concurrent calls cannot change one another's faults.
+        for st, delay in d.delays:
+            self._record(st, d, f"delayed {delay:.3f}s")
+            await self._sleep(delay)
+        st_r = d.raising
+        if st_r is not None and not st_r.spec.after:
+            await self._raise(st_r, d)
+        return d
+
+    async def _after(self, d: _Decision) -> None:
+        st = d.raising
+        if st is not None:
+            assert st.spec.after
+            await self._raise(st, d)
+
+    async def _raise(self, st: _SpecState, d: _Decision) -> None:
+        spec = st.spec
+        where = "after" if spec.after else "before"
+        if spec.kind is FaultKind.ERROR:
+            self._record(st, d, f"{spec.error.__name__} {where} the call")
+            self._raised += 1
+            raise spec.error(f"injected fault: {d.op} on the {self.inner.name} backend failed")
+        if spec.kind is FaultKind.TIMEOUT:
+            delay = d.raise_delay
+            self._record(st, d, f"timed out after {delay:.3f}s {where} the call")
+            self._raised += 1
+            await self._sleep(delay)
+            raise StorageTimeoutError(
+                f"injected fault: {d.op} on the {self.inner.name} backend timed out"
+            )
+        assert spec.kind is FaultKind.HANG
+        self._record(st, d, "hung")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._hangs.add(fut)
+        try:
+            await fut
+        finally:
+            self._hangs.discard(fut)
+        # Only closing the wrapper resolves a hang, and it does so with an exception.
+        raise AssertionError("unreachable: a hang ended without an exception")
+
+    def _draw_delay(self, spec: FaultSpec) -> float:
+        if isinstance(spec.delay, tuple):
+            return self._rng.uniform(*spec.delay)
+        return float(spec.delay)
+
+    def _record(self, st: _SpecState, d: _Decision, detail: str) -> None:
+        st.faults += 1
+        kind = st.spec.kind.value
+        self._counts[kind] += 1
+        self.events.append(FaultEvent(d.call, d.op, kind, detail))
+        logger.debug("injected %s fault on %s (call %d): %s", kind, d.op, d.call, detail)
+
+    @staticmethod
+    def _prefix_len(spec: FaultSpec, n: int, rng: random.Random) -> int:
+        """A prefix length in [0, n) (n > 0)."""
+        if spec.keep_pages is not None:
+            return min(spec.keep_pages, n - 1)
+        return rng.randrange(n)
+
+    def _subset(self, spec: FaultSpec, n: int, rng: random.Random) -> list[int]:
+        """Positions kept by a partial fault over ``n`` > 0 items: never all of them."""
+        if spec.partial is PartialMode.PREFIX:
+            return list(range(self._prefix_len(spec, n, rng)))
+        kept = [i for i in range(n) if rng.random() < 0.5]
+        if len(kept) == n:
+            kept.pop(rng.randrange(n))
+        return kept
+
+    def _damage(
+        self,
+        d: _Decision,
+        damage: list[_SpecState],
+        targets: list[PageBuffer],
+        got: list[bool],
+        labels: list[int],
+    ) -> None:
+        """Flip or truncate bytes of arrived scratch pages, as the specs say."""
+        rng = d.rng
+        assert rng is not None
+        arrived = [i for i, ok in enumerate(got) if ok and targets[i].nbytes > 0]
+        for st in damage:
+            if not arrived:
+                continue
+            spec = st.spec
+            n = len(arrived) if spec.pages is None else min(spec.pages, len(arrived))
+            chosen = sorted(rng.sample(arrived, n))
+            details = []
+            for i in chosen:
+                buf = targets[i].segments[0]
+                size = buf.nbytes
+                if spec.kind is FaultKind.FLIP:
+                    positions = rng.sample(range(size), min(spec.flip_bytes, size))
+                    for p in positions:
+                        buf[p] ^= rng.randrange(1, 256)
+                    details.append(f"page {labels[i]}: {len(positions)} bytes flipped")
+                else:
+                    keep = (
+                        min(spec.keep_bytes, size - 1)
+                        if spec.keep_bytes is not None
+                        else rng.randrange(size)
+                    )
+                    buf[keep:] = bytes(size - keep)
+                    details.append(f"page {labels[i]}: cut to {keep} of {size} bytes")
+            self._pages_damaged += n
+            self._record(st, d, "; ".join(details))
