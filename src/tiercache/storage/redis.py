@@ -1,0 +1,667 @@
+"""`RedisBackend`: the shared remote storage tier, on ``redis.asyncio``.
+
+Several serving instances pointed at one Redis (or Redis Cluster) share their
+pages: a prefix computed on one instance loads on every other one.
+
+Each page is one Redis string under ``prefix + page_key`` holding
+``pack_page(key, page)`` (the header and checksums of
+`tiercache.storage.format`, then the page's bytes), so what comes back is
+verified before it is trusted, exactly as the file backend does.
+
+Every batch is one round trip: a non-transactional pipeline of ``EXISTS``,
+``GET``, ``SET ... NX`` or ``UNLINK`` commands, sent in one write and answered in
+one read (on a cluster, one round trip per node that owns keys of the batch).
+Every call runs under ``timeout`` seconds (socket and connect timeouts plus an
+``asyncio.timeout`` around the whole batch) and fails with a `StorageError`
+subclass, never a ``redis`` exception. The connection pool replaces broken
+connections by itself, so a backend outlives a server restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
+
+from tiercache.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    InvalidInputError,
+    StorageCorruptionError,
+    StorageError,
+    StorageTimeoutError,
+)
+from tiercache.storage.base import BackendState, PageBuffer, PageKey, StorageBackend
+from tiercache.storage.format import pack_page, unpack_page
+
+try:
+    import redis
+    import redis.asyncio as aioredis
+    import redis.exceptions as redis_errors
+    from redis.asyncio.cluster import RedisCluster
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+    from redis.driver_info import DriverInfo
+except ImportError as _e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "the redis storage backend needs the 'redis' package: pip install 'tiercache[redis]'"
+    ) from _e
+
+__all__ = ["OFFLOAD_BYTES", "RedisBackend", "mask_url"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Batches whose pages total more than this many bytes are packed (CRC-32 and
+#: the join into one value) and verified (CRC-32 and the copy into the page
+#: buffers) in the loop's default executor, one executor call per batch.
+#: Below it the work takes well under a millisecond and runs on the loop,
+#: where a thread hop would cost more than it saves.
+OFFLOAD_BYTES = 1 << 20
+
+_KEY_RE = re.compile(r"[0-9A-Za-z_.-]+")
+_SCHEMES = {
+    "redis": False,
+    "rediss": False,
+    "unix": False,
+    "redis+cluster": True,
+    "rediss+cluster": True,
+}
+#: Query parameters passed on to redis-py (everything else must be ours).
+_PASSTHROUGH_QUERY = frozenset(
+    {
+        "db",
+        "username",
+        "password",
+        "client_name",
+        "protocol",
+        "ssl_cert_reqs",
+        "ssl_ca_certs",
+        "ssl_ca_path",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_check_hostname",
+    }
+)
+_OPTIONS = ("prefix", "ttl_seconds", "timeout", "max_connections", "cluster", "ping_on_open")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_SCAN_COUNT = 1000
+_MASK = "***"
+
+
+def _unsplit(scheme: str, netloc: str, path: str, query: str, fragment: str) -> str:
+    """`urlunsplit` that keeps ``//`` when the netloc is empty (``unix:///path``)."""
+    url = f"{scheme}://{netloc}{path}"
+    if query:
+        url += "?" + query
+    if fragment:
+        url += "#" + fragment
+    return url
+
+
+def mask_url(url: str) -> str:
+    """``url`` with any password (in the user info or a ``password=`` query) replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        if ":" in userinfo:
+            userinfo = userinfo.split(":", 1)[0] + ":" + _MASK
+        netloc = f"{userinfo}@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, _MASK if k == "password" else v) for k, v in pairs], safe="*")
+    return _unsplit(parts.scheme, netloc, parts.path, query, parts.fragment)
+
+
+def _secrets_of(url: str) -> tuple[str, ...]:
+    parts = urlsplit(url)
+    found = set()
+    if parts.password:
+        found.update({parts.password, unquote(parts.password)})
+    for k, v in parse_qsl(parts.query, keep_blank_values=True):
+        if k == "password" and v:
+            found.update({v, quote(v)})
+    return tuple(sorted((s for s in found if s), key=len, reverse=True))
+
+
+def _as_bool(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise ConfigError(f"redis option {name} must be a boolean, got {value!r}")
+
+
+def _as_positive_float(name: str, value: object) -> float:
+    if isinstance(value, int | float | str) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+        else:
+            if number > 0 and number != float("inf"):
+                return number
+    raise ConfigError(f"redis option {name} must be a positive number, got {value!r}")
+
+
+def _as_positive_int(name: str, value: object) -> int:
+    if isinstance(value, int | str) and not isinstance(value, bool):
+        try:
+            number = int(value)
+        except ValueError:
+            pass
+        else:
+            if number > 0:
+                return number
+    raise ConfigError(f"redis option {name} must be a positive int, got {value!r}")
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` in the default executor; on cancellation wait for it, then re-raise.
+
+    The functions run here read or write page buffers the caller owns, so a
+    cancelled caller must not get its pages back while a worker still touches
+    them.
+    """
+    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await fut
+        raise
+
+
+def _pack_values(keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bytes]:
+    """One value per page: ``header + payload`` joined once (redis-py sends one bytes object)."""
+    return [b"".join(pack_page(k, p)) for k, p in zip(keys, pages, strict=True)]
+
+
+def _unpack_values(
+    keys: Sequence[PageKey], blobs: Sequence[bytes | None], pages: Sequence[PageBuffer]
+) -> list[str | None | bool]:
+    """Verify and copy each blob into its page.
+
+    Returns per page ``True`` (copied), ``False`` (no value) or the reason it
+    failed its checks (the page is left untouched).
+    """
+    out: list[str | None | bool] = []
+    for key, blob, page in zip(keys, blobs, pages, strict=True):
+        if blob is None:
+            out.append(False)
+            continue
+        try:
+            unpack_page(key, blob, page)
+        except StorageCorruptionError as e:
+            out.append(str(e))
+        else:
+            out.append(True)
+    return out
+
+
+class RedisBackend(StorageBackend):
+    """Pages in a Redis server or cluster, shared between instances.
+
+    Open it with `from_url` (what ``open_backend("redis://...")`` calls) or
+    construct it directly; construction does no IO.
+
+    URLs: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS),
+    ``unix:///path/to/redis.sock?db=0``, and ``redis+cluster://host:port`` /
+    ``rediss+cluster://`` (or ``?cluster=1``) for Redis Cluster. The options
+    below may also be given as query parameters (``?prefix=kv:&ttl_seconds=60``);
+    a keyword argument wins over the URL. ``db``, ``username``, ``password``,
+    ``client_name``, ``protocol`` and the ``ssl_*`` parameters go to redis-py.
+
+    Consistency: a page is written with one ``SET key value NX`` carrying the
+    whole header and payload, so the first writer of a key wins and a reader
+    sees either no key or all of its bytes, never part of them (a Redis command
+    is atomic). A value that fails its checks on read is a miss: it is logged,
+    counted in ``stats.corrupt_pages``, never copied into the target, and the
+    key is deleted (best effort, after the read; a valid page written between
+    the read and the delete would be lost, which costs a miss, never wrong KV).
+    A hit does not extend a key's time to live.
+
+    Large pages: a batch whose pages total more than `OFFLOAD_BYTES` (1 MiB)
+    is checksummed, joined and verified in the loop's default executor, one
+    executor call per batch; a cancelled call waits for that work before it
+    returns, so the caller's page buffers are never touched after it returns.
+
+    Credentials are never shown: ``repr``, log messages and error messages use
+    `mask_url`, and redis-py's own error text is scrubbed of the password.
+
+    Every method is a coroutine to be called from the event loop that first
+    used the backend (the connection pool binds to it).
+
+    Args:
+        url: where the server is (see above).
+        prefix: prepended to every page key; `clear` removes only keys under
+            it. Must not be empty.
+        ttl_seconds: if set, each page expires this long after it was
+            written (millisecond resolution).
+        timeout: seconds any call (one batch, one step of `clear`) may take,
+            waiting for a pooled connection included.
+        max_connections: connection pool size (per node on a cluster); a call
+            that finds every connection busy waits for one, within ``timeout``.
+        cluster: use ``redis.asyncio.cluster.RedisCluster``; ``None`` takes it
+            from the URL (``+cluster`` scheme or ``?cluster=1``).
+
+    Raises:
+        ConfigError: unsupported scheme, unknown query parameter, or an option
+            out of range.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str | None = None,
+        ttl_seconds: float | None = None,
+        timeout: float | None = None,
+        max_connections: int | None = None,
+        cluster: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(url, str):
+            raise ConfigError(f"redis URL must be a str, got {type(url).__name__}")
+        self._secrets = _secrets_of(url)
+        self._url_display = mask_url(url)
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in _SCHEMES:
+            raise ConfigError(
+                f"unsupported redis URL scheme {parts.scheme!r} in {self._url_display}; "
+                f"use one of {sorted(_SCHEMES)}"
+            )
+        url_cluster = _SCHEMES[scheme]
+        scheme = scheme.removesuffix("+cluster")
+        ours: dict[str, str] = {}
+        passed: list[tuple[str, str]] = []
+        for k, v in parse_qsl(parts.query, keep_blank_values=True):
+            if k in _OPTIONS and k != "ping_on_open":
+                ours[k] = v
+            elif k in _PASSTHROUGH_QUERY:
+                passed.append((k, v))
+            else:
+                raise ConfigError(f"unknown redis URL parameter {k!r} in {self._url_display}")
+
+        prefix = prefix if prefix is not None else ours.get("prefix", "tiercache:")
+        if not isinstance(prefix, str) or not prefix:
+            raise ConfigError(
+                "redis prefix must be a non-empty str (clear() deletes every key under it)"
+            )
+        ttl_raw: object = ttl_seconds if ttl_seconds is not None else ours.get("ttl_seconds")
+        self.ttl_seconds: float | None = (
+            None if ttl_raw is None else _as_positive_float("ttl_seconds", ttl_raw)
+        )
+        self.timeout: float = _as_positive_float(
+            "timeout", timeout if timeout is not None else ours.get("timeout", 5.0)
+        )
+        self.max_connections: int = _as_positive_int(
+            "max_connections",
+            max_connections if max_connections is not None else ours.get("max_connections", 32),
+        )
+        if cluster is None:
+            cluster = url_cluster or _as_bool("cluster", ours.get("cluster", False))
+        self.cluster: bool = _as_bool("cluster", cluster)
+        if self.cluster and scheme == "unix":
+            raise ConfigError(
+                "Redis Cluster is reached over TCP: use redis+cluster:// or rediss+cluster://"
+            )
+        self.prefix: str = prefix
+        self._px: int | None = (
+            None if self.ttl_seconds is None else max(1, round(self.ttl_seconds * 1000))
+        )
+        self._healthy = True
+
+        client_url = _unsplit(scheme, parts.netloc, parts.path, urlencode(passed), parts.fragment)
+        # One retry, quickly: it is what turns a connection that died while
+        # pooled (server restarted) into a fresh one without failing the call.
+        retry = Retry(ExponentialBackoff(cap=min(0.5, self.timeout / 4), base=0.01), retries=1)
+        common: dict[str, Any] = {
+            # Explicit, so that no connection looks the version up in the
+            # package metadata (file IO) on the event loop.
+            "driver_info": DriverInfo(name="redis-py", lib_version=redis.__version__),
+            "socket_timeout": self.timeout,
+            "socket_connect_timeout": self.timeout,
+            "retry": retry,
+            "max_connections": self.max_connections,
+        }
+        try:
+            if self.cluster:
+                self._client: Any = RedisCluster.from_url(client_url, **common)
+            else:
+                pool = aioredis.BlockingConnectionPool.from_url(
+                    client_url, timeout=self.timeout, **common
+                )
+                self._client = aioredis.Redis.from_pool(pool)
+        except (ValueError, TypeError, redis_errors.RedisError) as e:
+            raise ConfigError(
+                f"invalid redis URL {self._url_display}: {self._scrub(str(e))}"
+            ) from None
+
+    @classmethod
+    async def from_url(cls, url: str, **options: Any) -> RedisBackend:
+        """Open a backend (the registry's entry point).
+
+        Args:
+            url: see the class docstring.
+            **options: ``prefix``, ``ttl_seconds``, ``timeout``,
+                ``max_connections``, ``cluster`` (see the class), and
+                ``ping_on_open`` (default ``True``): send one ``PING`` so an
+                unreachable server fails here rather than at the first batch.
+
+        Raises:
+            ConfigError: bad URL or option, or an unknown option name.
+            BackendUnavailableError: ``ping_on_open`` and the server cannot be
+                reached or refuses the credentials.
+            StorageTimeoutError: ``ping_on_open`` and the server did not answer.
+        """
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise ConfigError(f"unknown redis backend option(s) {unknown}; known: {list(_OPTIONS)}")
+        ping = _as_bool("ping_on_open", options.pop("ping_on_open", True))
+        backend = cls(url, **options)
+        if ping:
+            try:
+                await backend.ping()
+            except BaseException:
+                await backend.aclose()
+                raise
+        return backend
+
+    def __repr__(self) -> str:
+        return (
+            f"RedisBackend(url={self._url_display!r}, prefix={self.prefix!r}, "
+            f"cluster={self.cluster}, state={self.state.value!r})"
+        )
+
+    # -- helpers -------------------------------------------------------------
+
+    def _scrub(self, text: str) -> str:
+        for s in self._secrets:
+            text = text.replace(s, _MASK)
+        return text
+
+    def _rkey(self, key: PageKey) -> str:
+        return self.prefix + key
+
+    @staticmethod
+    def _check_keys(keys: Sequence[PageKey]) -> None:
+        for k in keys:
+            if not isinstance(k, str) or _KEY_RE.fullmatch(k) is None:
+                raise InvalidInputError(
+                    f"page keys are non-empty strings of [0-9A-Za-z_.-], got {k!r}"
+                )
+
+    @staticmethod
+    def _check_pairs(keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> None:
+        if len(keys) != len(pages):
+            raise InvalidInputError(f"{len(keys)} keys but {len(pages)} pages")
+        RedisBackend._check_keys(keys)
+        for p in pages:
+            if not isinstance(p, PageBuffer):
+                raise InvalidInputError(f"pages must be PageBuffer objects, got {type(p).__name__}")
+
+    def _failed(self, op: str, error: StorageError) -> StorageError:
+        self._stats.errors += 1
+        if self._healthy:
+            self._healthy = False
+            logger.warning(
+                "redis backend %s: %s failed, treating as misses: %s", self._url_display, op, error
+            )
+        else:
+            logger.debug("redis backend %s: %s failed: %s", self._url_display, op, error)
+        return error
+
+    @contextlib.asynccontextmanager
+    async def _call(self, op: str) -> AsyncIterator[None]:
+        """Run one round trip under the timeout; turn every failure into a `StorageError`."""
+        self._check_open()
+        try:
+            async with asyncio.timeout(self.timeout):
+                yield
+        except (TimeoutError, redis_errors.TimeoutError) as e:
+            detail = self._scrub(str(e)) or f"no answer within {self.timeout:g} s"
+            raise self._failed(
+                op, StorageTimeoutError(f"redis {op} at {self._url_display}: {detail}")
+            ) from None
+        except (redis_errors.ConnectionError, redis_errors.RedisClusterException, OSError) as e:
+            if self.state is BackendState.CLOSED:
+                raise BackendUnavailableError(f"the {self.name} backend is closed") from None
+            msg = f"redis {op} at {self._url_display}: {type(e).__name__}: {self._scrub(str(e))}"
+            raise self._failed(op, BackendUnavailableError(msg)) from None
+        except redis_errors.RedisError as e:
+            msg = f"redis {op} at {self._url_display}: {type(e).__name__}: {self._scrub(str(e))}"
+            raise self._failed(op, StorageError(msg)) from None
+        if not self._healthy:
+            self._healthy = True
+            logger.info("redis backend %s answers again", self._url_display)
+        self._stats.extra["round_trips"] = int(self._stats.extra.get("round_trips", 0)) + 1
+
+    async def _pipeline(self, op: str, queue: Callable[[Any], None]) -> list[Any]:
+        """One round trip: queue commands on a non-transactional pipeline, send, read every reply.
+
+        Per-command errors (``OOM``, ``WRONGTYPE``) come back as exception
+        objects in the result list instead of failing the batch.
+        """
+        async with self._call(op):
+            async with self._client.pipeline(transaction=False) as pipe:
+                queue(pipe)
+                result: list[Any] = await pipe.execute(raise_on_error=False)
+        return result
+
+    # -- the StorageBackend interface ---------------------------------------
+
+    async def ping(self) -> None:
+        """One ``PING``: raises `BackendUnavailableError` / `StorageTimeoutError` if the server is not there."""
+        async with self._call("ping"):
+            await self._client.ping()
+
+    async def batch_exists(self, keys: Sequence[PageKey]) -> int:
+        """How many of ``keys``, counted from the first, are stored: one pipeline of ``EXISTS``."""
+        self._check_open()
+        self._check_keys(keys)
+        self._stats.exists_calls += 1
+        if not keys:
+            return 0
+
+        def queue(pipe: Any) -> None:
+            for k in keys:
+                pipe.exists(self._rkey(k))
+
+        replies = await self._pipeline("exists", queue)
+        hits = 0
+        for r in replies:
+            if isinstance(r, Exception) or not r:
+                break
+            hits += 1
+        return hits
+
+    async def batch_get(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
+        """Read each key into its page buffer: one pipeline of ``GET``, then verify and copy.
+
+        Returns:
+            Per page, whether it arrived; a page that did not arrive (missing,
+            or failing its checks) keeps its previous bytes.
+
+        Raises:
+            InvalidInputError: ``keys`` and ``pages`` differ in length, or a
+                key has characters outside ``[0-9A-Za-z_.-]``.
+            BackendUnavailableError, StorageTimeoutError, StorageError: the
+                read failed; no page buffer was written.
+        """
+        self._check_open()
+        self._check_pairs(keys, pages)
+        if not keys:
+            return []
+
+        def queue(pipe: Any) -> None:
+            for k in keys:
+                pipe.get(self._rkey(k))
+
+        replies = await self._pipeline("get", queue)
+        blobs: list[bytes | None] = []
+        for k, r in zip(keys, replies, strict=True):
+            if isinstance(r, Exception):
+                logger.warning(
+                    "redis backend %s: GET %s failed: %s", self._url_display, k, self._scrub(str(r))
+                )
+                self._stats.errors += 1
+                r = None
+            blobs.append(r)
+        nbytes = sum(p.nbytes for p in pages)
+        if nbytes > OFFLOAD_BYTES:
+            outcome = await _off_loop(_unpack_values, keys, blobs, pages)
+        else:
+            outcome = _unpack_values(keys, blobs, pages)
+
+        arrived: list[bool] = []
+        corrupt: list[PageKey] = []
+        for k, blob, page, o in zip(keys, blobs, pages, outcome, strict=True):
+            if o is True:
+                arrived.append(True)
+                self._stats.get_hits += 1
+                self._stats.bytes_read += page.nbytes
+                continue
+            arrived.append(False)
+            if isinstance(o, str):
+                assert blob is not None
+                logger.warning(
+                    "redis backend %s: page %s failed its checks, dropping it: %s",
+                    self._url_display,
+                    k,
+                    o,
+                )
+                self._stats.corrupt_pages += 1
+                corrupt.append(k)
+        self._stats.get_pages += len(keys)
+        if corrupt:
+            try:
+                await self.delete(corrupt)
+            except StorageError as e:
+                logger.warning(
+                    "redis backend %s: could not delete corrupt pages: %s", self._url_display, e
+                )
+        return arrived
+
+    async def batch_set(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
+        """Store each page with ``SET key value NX [PX ttl]``: one pipeline, first writer wins.
+
+        Each value is written by one atomic ``SET``, so no reader ever sees a
+        key whose bytes are not all there.
+
+        Returns:
+            Per page, whether the key now holds a page (``True`` too when it
+            already existed; ``False`` when the server refused that one
+            command, e.g. out of memory).
+
+        Raises:
+            InvalidInputError: ``keys`` and ``pages`` differ in length, or a
+                key has characters outside ``[0-9A-Za-z_.-]``.
+            BackendUnavailableError, StorageTimeoutError, StorageError: the
+                write failed; some pages may have been stored.
+        """
+        self._check_open()
+        self._check_pairs(keys, pages)
+        if not keys:
+            return []
+        nbytes = sum(p.nbytes for p in pages)
+        if nbytes > OFFLOAD_BYTES:
+            values = await _off_loop(_pack_values, keys, pages)
+        else:
+            values = _pack_values(keys, pages)
+        px = self._px
+
+        def queue(pipe: Any) -> None:
+            for k, v in zip(keys, values, strict=True):
+                pipe.set(self._rkey(k), v, nx=True, px=px)
+
+        replies = await self._pipeline("set", queue)
+        stored: list[bool] = []
+        for k, page, r in zip(keys, pages, replies, strict=True):
+            if isinstance(r, Exception):
+                logger.warning(
+                    "redis backend %s: SET %s failed: %s", self._url_display, k, self._scrub(str(r))
+                )
+                self._stats.errors += 1
+                stored.append(False)
+                continue
+            stored.append(True)
+            if r:  # None: the key existed, the first writer's value stays
+                self._stats.set_written += 1
+                self._stats.bytes_written += page.nbytes
+        self._stats.set_pages += len(keys)
+        return stored
+
+    async def delete(self, keys: Sequence[PageKey]) -> int:
+        """``UNLINK`` the keys (one pipeline); returns how many existed."""
+        self._check_open()
+        self._check_keys(keys)
+        if not keys:
+            return 0
+
+        def queue(pipe: Any) -> None:
+            for k in keys:
+                # execute_command: a cluster pipeline's unlink() is not queueable
+                pipe.execute_command("UNLINK", self._rkey(k))
+
+        replies = await self._pipeline("delete", queue)
+        removed = sum(int(r) for r in replies if not isinstance(r, Exception))
+        self._stats.evictions += removed
+        return removed
+
+    async def clear(self) -> None:
+        """Remove every key under the prefix: ``SCAN MATCH prefix*`` + ``UNLINK``, never ``FLUSHDB``.
+
+        Each ``SCAN`` step and its ``UNLINK`` run under ``timeout``; a long
+        clear may take many steps. On a cluster every primary is scanned.
+        """
+        self._check_open()
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "*"
+        if self.cluster:
+            async with self._call("clear"):
+                nodes = list(self._client.get_primaries())
+        else:
+            nodes = [None]
+        for node in nodes:
+            cursor = 0
+            while True:
+                async with self._call("clear"):
+                    if node is None:
+                        cursor, found = await self._client.scan(
+                            cursor=cursor, match=pattern, count=_SCAN_COUNT
+                        )
+                    else:
+                        cursors, found = await self._client.scan(
+                            cursor=cursor, match=pattern, count=_SCAN_COUNT, target_nodes=node
+                        )
+                        cursor = next(iter(cursors.values()))
+                    if found:
+                        await self._client.unlink(*found)
+                if cursor == 0:
+                    break
+
+    async def aclose(self) -> None:
+        """Close the connection pool. Idempotent; later calls raise `BackendUnavailableError`."""
+        if self.state is BackendState.CLOSED:
+            return
+        await super().aclose()
+        try:
+            await self._client.aclose()
+        except (redis_errors.RedisError, OSError) as e:
+            logger.debug(
+                "redis backend %s: error while closing: %s", self._url_display, self._scrub(str(e))
+            )
