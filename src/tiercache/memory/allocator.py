@@ -9,7 +9,9 @@ from tiercache.errors import DoubleFreeError, InvalidInputError
 __all__ = ["PageAllocator", "check_slot_indices"]
 
 
-def check_slot_indices(indices: object, page_size: int, num_slots: int, what: str = "indices") -> torch.Tensor:
+def check_slot_indices(
+    indices: object, page_size: int, num_slots: int, what: str = "indices"
+) -> torch.Tensor:
     """Validate page-aligned slot indices and return them as a CPU int64 tensor.
 
     Slot indices are a 1-D ``int64`` tensor whose length is a multiple of
@@ -21,7 +23,9 @@ def check_slot_indices(indices: object, page_size: int, num_slots: int, what: st
         InvalidInputError: wrong type, dtype, shape, alignment or range.
     """
     if not isinstance(indices, torch.Tensor):
-        raise InvalidInputError(f"{what} must be a torch.Tensor of int64, got {type(indices).__name__}")
+        raise InvalidInputError(
+            f"{what} must be a torch.Tensor of int64, got {type(indices).__name__}"
+        )
     if indices.dtype != torch.int64:
         raise InvalidInputError(f"{what} must have dtype int64, got {indices.dtype}")
     if indices.dim() != 1:
@@ -41,7 +45,9 @@ def check_slot_indices(indices: object, page_size: int, num_slots: int, what: st
         if bool((first % page_size).any()) or not bool(
             torch.equal(pages, first + torch.arange(page_size, dtype=torch.int64))
         ):
-            raise InvalidInputError(f"{what} are not page-aligned runs of page_size={page_size} slots")
+            raise InvalidInputError(
+                f"{what} are not page-aligned runs of page_size={page_size} slots"
+            )
     return cpu
 
 
@@ -68,7 +74,9 @@ class PageAllocator:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
             raise InvalidInputError(f"num_slots must be a non-negative int, got {num_slots!r}")
         if num_slots % page_size:
-            raise InvalidInputError(f"num_slots={num_slots} is not a multiple of page_size={page_size}")
+            raise InvalidInputError(
+                f"num_slots={num_slots} is not a multiple of page_size={page_size}"
+            )
         self.num_slots = num_slots
         self.page_size = page_size
         self.num_pages = num_slots // page_size

@@ -71,7 +71,9 @@ class KVLayout:
         if not isinstance(self.mla, bool):
             raise InvalidInputError(f"mla must be a bool, got {self.mla!r}")
         if self.mla and self.num_kv_heads != 1:
-            raise InvalidInputError(f"an MLA layout has one latent head, got num_kv_heads={self.num_kv_heads}")
+            raise InvalidInputError(
+                f"an MLA layout has one latent head, got num_kv_heads={self.num_kv_heads}"
+            )
 
     @property
     def num_buffers(self) -> int:

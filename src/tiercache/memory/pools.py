@@ -35,7 +35,10 @@ def available_host_memory() -> int:
         pass
     for path, used_path in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
     ):
         try:
             with open(path) as f:
@@ -71,6 +74,8 @@ class DeviceKVPool:
     MHA: ``k_buffer[l]`` and ``v_buffer[l]`` of shape ``(num_slots, num_kv_heads,
     head_dim)``. MLA: ``kv_buffer[l]`` of shape ``(num_slots, 1, head_dim)``.
     ``buffers[b][l]`` addresses both uniformly (``b`` = 0 for K / latent, 1 for V).
+    A pool it allocates itself also exposes ``stacked[b]``, the ``(L, slots, H, D)``
+    tensor the per-layer buffers are views of (``None`` for wrapped buffers).
 
     Args:
         layout: the model's KV layout.
@@ -99,7 +104,9 @@ class DeviceKVPool:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
             raise InvalidInputError(f"num_slots must be a positive int, got {num_slots!r}")
         if num_slots % layout.page_size:
-            raise InvalidInputError(f"num_slots={num_slots} is not a multiple of page_size={layout.page_size}")
+            raise InvalidInputError(
+                f"num_slots={num_slots} is not a multiple of page_size={layout.page_size}"
+            )
         self.layout = layout
         self.num_slots = num_slots
         self.device = _resolve_device(device)
@@ -114,24 +121,38 @@ class DeviceKVPool:
             if any(g is None for g in given):
                 raise InvalidInputError("wrap both k_buffers and v_buffers")
             self.buffers = [self._check_wrapped(list(g or []), shape) for g in given]
+            self.stacked: list[torch.Tensor] | None = None
         else:
-            self.buffers = [
-                [torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)]
+            # One (L, slots, H, D) tensor per K/V: every layer is a view of it, so
+            # a backup of all layers is one strided copy per page run, not L copies.
+            self.stacked = [
+                torch.zeros((layout.num_layers, *shape), dtype=layout.dtype, device=self.device)
                 for _ in range(layout.num_buffers)
             ]
+            self.buffers = [list(t.unbind(0)) for t in self.stacked]
 
-    def _check_wrapped(self, bufs: list[torch.Tensor], shape: tuple[int, ...]) -> list[torch.Tensor]:
+    def _check_wrapped(
+        self, bufs: list[torch.Tensor], shape: tuple[int, ...]
+    ) -> list[torch.Tensor]:
         if len(bufs) != self.layout.num_layers:
-            raise InvalidInputError(f"expected {self.layout.num_layers} layer buffers, got {len(bufs)}")
+            raise InvalidInputError(
+                f"expected {self.layout.num_layers} layer buffers, got {len(bufs)}"
+            )
         for i, t in enumerate(bufs):
             if not isinstance(t, torch.Tensor):
                 raise InvalidInputError(f"layer {i} buffer is not a tensor")
             if tuple(t.shape) != shape:
-                raise InvalidInputError(f"layer {i} buffer has shape {tuple(t.shape)}, expected {shape}")
+                raise InvalidInputError(
+                    f"layer {i} buffer has shape {tuple(t.shape)}, expected {shape}"
+                )
             if t.dtype != self.layout.dtype:
-                raise InvalidInputError(f"layer {i} buffer has dtype {t.dtype}, expected {self.layout.dtype}")
+                raise InvalidInputError(
+                    f"layer {i} buffer has dtype {t.dtype}, expected {self.layout.dtype}"
+                )
             if t.device != self.device:
-                raise InvalidInputError(f"layer {i} buffer is on {t.device}, expected {self.device}")
+                raise InvalidInputError(
+                    f"layer {i} buffer is on {t.device}, expected {self.device}"
+                )
             if not t.is_contiguous():
                 raise InvalidInputError(f"layer {i} buffer is not contiguous")
         return bufs
@@ -195,7 +216,9 @@ class HostKVPool:
         if not isinstance(layout, KVLayout):
             raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if host_layout not in HOST_LAYOUTS:
-            raise InvalidInputError(f"host_layout must be one of {HOST_LAYOUTS}, got {host_layout!r}")
+            raise InvalidInputError(
+                f"host_layout must be one of {HOST_LAYOUTS}, got {host_layout!r}"
+            )
         if (num_slots is None) == (size_bytes is None):
             raise InvalidInputError("give exactly one of num_slots and size_bytes")
         if size_bytes is not None:
@@ -203,12 +226,16 @@ class HostKVPool:
                 raise InvalidInputError(f"size_bytes must be a positive int, got {size_bytes!r}")
             num_slots = size_bytes // layout.page_bytes * layout.page_size
             if num_slots == 0:
-                raise InvalidInputError(f"size_bytes={size_bytes} is smaller than one page ({layout.page_bytes} bytes)")
+                raise InvalidInputError(
+                    f"size_bytes={size_bytes} is smaller than one page ({layout.page_bytes} bytes)"
+                )
         assert num_slots is not None
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
             raise InvalidInputError(f"num_slots must be a positive int, got {num_slots!r}")
         if num_slots % layout.page_size:
-            raise InvalidInputError(f"num_slots={num_slots} is not a multiple of page_size={layout.page_size}")
+            raise InvalidInputError(
+                f"num_slots={num_slots} is not a multiple of page_size={layout.page_size}"
+            )
         self.layout = layout
         self.num_slots = num_slots
         self.host_layout = host_layout
@@ -225,10 +252,19 @@ class HostKVPool:
         try:
             self.buffer = torch.empty(shape, dtype=layout.dtype, pin_memory=self.pinned)
         except RuntimeError as e:  # out of memory, pinning refused
-            raise CapacityError(f"cannot allocate a host pool of {need / 2**30:.2f} GiB: {e}") from e
+            raise CapacityError(
+                f"cannot allocate a host pool of {need / 2**30:.2f} GiB: {e}"
+            ) from e
         self._bytes = self.buffer.view(-1).view(torch.uint8)
+        self._view: memoryview = memoryview(self._bytes.numpy())  # type: ignore[arg-type]
         self.format = f"{layout.describe()}:{host_layout}"
-        logger.debug("host pool %s: %d slots, %.2f GiB, pinned=%s", self.format, num_slots, need / 2**30, self.pinned)
+        logger.debug(
+            "host pool %s: %d slots, %.2f GiB, pinned=%s",
+            self.format,
+            num_slots,
+            need / 2**30,
+            self.pinned,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -257,7 +293,7 @@ class HostKVPool:
             raise InvalidInputError(f"slot {slot} is not the first slot of a page of this pool")
         tok = self.layout.token_layer_bytes
         L, B, n = self.layout.num_layers, self.layout.num_buffers, self.num_slots
-        mv = memoryview(self._bytes.numpy())
+        mv = self._view
         segs: list[memoryview] = []
         if self.host_layout == "page_first":
             run = ps * L * tok
@@ -274,7 +310,9 @@ class HostKVPool:
 
     def page_buffers(self, host_indices: torch.Tensor) -> list[PageBuffer]:
         """One `PageBuffer` per page of ``host_indices`` (page-aligned slots of this pool)."""
-        cpu = check_slot_indices(host_indices, self.layout.page_size, self.num_slots, "host_indices")
+        cpu = check_slot_indices(
+            host_indices, self.layout.page_size, self.num_slots, "host_indices"
+        )
         return [self.page_buffer(s) for s in cpu[:: self.layout.page_size].tolist()]
 
     def __repr__(self) -> str:

@@ -96,7 +96,10 @@ class StorageBackend(ABC):
     async def stats(self) -> BackendStats:
         """A snapshot of the counters."""
         s = self._stats
-        return BackendStats(**{f: getattr(s, f) for f in s.__dataclass_fields__ if f != "extra"}, extra=dict(s.extra))
+        return BackendStats(
+            **{f: getattr(s, f) for f in s.__dataclass_fields__ if f != "extra"},
+            extra=dict(s.extra),
+        )
 
     async def aclose(self) -> None:
         """Release resources. Idempotent."""

@@ -123,7 +123,9 @@ def unpack_page(key: str, data: bytes | bytearray | memoryview, page: PageBuffer
     check_header(h, key, page)
     payload = mv[h.header_len :]
     if payload.nbytes != h.payload_len:
-        raise StorageCorruptionError(f"page {key}: payload is {payload.nbytes} bytes, header says {h.payload_len}")
+        raise StorageCorruptionError(
+            f"page {key}: payload is {payload.nbytes} bytes, header says {h.payload_len}"
+        )
     if zlib.crc32(payload) != h.payload_crc:
         raise StorageCorruptionError(f"page {key}: payload checksum mismatch")
     page.write(payload)
@@ -134,6 +136,10 @@ def check_header(h: PageHeader, key: str, page: PageBuffer) -> None:
     if h.key != key:
         raise StorageCorruptionError(f"stored page is {h.key!r}, expected {key!r} (file swapped?)")
     if h.format != page.format:
-        raise StorageCorruptionError(f"page {key}: stored format {h.format!r} differs from {page.format!r}")
+        raise StorageCorruptionError(
+            f"page {key}: stored format {h.format!r} differs from {page.format!r}"
+        )
     if h.payload_len != page.nbytes:
-        raise StorageCorruptionError(f"page {key}: stored {h.payload_len} bytes, page holds {page.nbytes}")
+        raise StorageCorruptionError(
+            f"page {key}: stored {h.payload_len} bytes, page holds {page.nbytes}"
+        )

@@ -1,0 +1,666 @@
+"""`TierController`: moves KV pages between the device, host and storage tiers.
+
+The asyncio form of SGLang's ``HiCacheController``. One event loop owns every
+piece of control state (allocators, queues, acks); the bytes move on copy
+streams (`CopyStream`: CUDA streams, or ordered worker threads on a CPU) and
+their completion comes back to the loop as futures. Nothing here blocks the
+loop: a copy of gigabytes leaves it free to serve other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import torch
+
+from tiercache.errors import ClosedError, ConfigError, InvalidInputError, StateError
+from tiercache.memory.allocator import PageAllocator, check_slot_indices
+from tiercache.memory.pools import DeviceKVPool, HostKVPool
+from tiercache.transfer.engine import CopyEngine, TransferPlan
+from tiercache.transfer.layer_done import LayerDoneCounter, LayerDoneSet
+from tiercache.transfer.streams import CopyStream
+
+__all__ = [
+    "WRITE_POLICIES",
+    "ControllerState",
+    "ControllerStats",
+    "CopyAck",
+    "LoadHandle",
+    "TierController",
+]
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_through_selective", "write_back")
+
+
+class ControllerState(enum.Enum):
+    CREATED = "created"
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True)
+class ControllerStats:
+    """Counters of the device<->host half (storage counters live with the storage engine)."""
+
+    writes: int = 0
+    loads: int = 0
+    write_batches: int = 0
+    load_batches: int = 0
+    bytes_device_to_host: int = 0
+    bytes_host_to_device: int = 0
+    host_full: int = 0
+    device_full: int = 0
+    copy_errors: int = 0
+
+
+class CopyAck:
+    """Completion of one write (device->host) or load (host->device) operation.
+
+    Await it (``await ack``) to wait for the bytes to be in place; cancelling
+    the awaiting task does not cancel the copy. ``host_indices`` and
+    ``device_indices`` are the slots involved; the caller owns them.
+    """
+
+    __slots__ = ("_future", "device_indices", "host_indices", "kind", "node_id")
+
+    def __init__(
+        self,
+        kind: Literal["write", "load"],
+        node_id: int,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        future: asyncio.Future[None],
+    ) -> None:
+        self.kind = kind
+        self.node_id = node_id
+        self.host_indices = host_indices
+        self.device_indices = device_indices
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def failed(self) -> bool:
+        return self._future.done() and (
+            self._future.cancelled() or self._future.exception() is not None
+        )
+
+    def add_done_callback(self, fn: Callable[[CopyAck], None]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return asyncio.shield(self._future).__await__()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"CopyAck({self.kind}, node_id={self.node_id}, tokens={self.host_indices.numel()}, {state})"
+
+
+class LoadHandle:
+    """A started layer-by-layer load.
+
+    ``await handle.layer(i)`` returns once layer ``i`` is on the device;
+    ``await handle`` once every layer is. A synchronous forward pass running in
+    a worker thread calls ``handle.wait_layer(i)`` instead, and on CUDA
+    ``handle.wait_layer_device(i)`` makes the compute stream wait without
+    blocking the host. ``producer_id`` is the `LayerDoneCounter` set it uses.
+    """
+
+    def __init__(
+        self,
+        producer_id: int,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        layers: LayerDoneSet,
+        future: asyncio.Future[None],
+        acks: list[CopyAck],
+    ) -> None:
+        self.producer_id = producer_id
+        self.host_indices = host_indices
+        self.device_indices = device_indices
+        self.layers = layers
+        self.acks = acks
+        self._future = future
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers.num_layers
+
+    async def layer(self, i: int) -> None:
+        await self.layers.wait(i)
+
+    def wait_layer(self, i: int, timeout: float | None = None) -> None:
+        self.layers.wait_sync(i, timeout)
+
+    def wait_layer_device(self, i: int) -> None:
+        self.layers.wait_device(i)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return asyncio.shield(self._future).__await__()
+
+    def __repr__(self) -> str:
+        return f"LoadHandle(producer={self.producer_id}, tokens={self.device_indices.numel()}, done={self.done()})"
+
+
+@dataclass(slots=True)
+class _Operation:
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
+    priority: int
+    ack: CopyAck
+    track: bool
+
+
+class TierController:
+    """Moves KV pages between a device pool, a host pool and (optionally) storage.
+
+    Verbs follow SGLang's ``HiCacheController``: `write` queues a device->host
+    backup and returns the host slots; `load` queues a host->device load and
+    returns the device slots; `start_writing` / `start_loading` merge what is
+    queued, in priority order (lower first), into one copy on the write / load
+    stream. By default a queued write starts on the next loop iteration, so
+    writes issued in the same scheduler tick are merged; loads start when the
+    engine calls `start_loading`, which hands back the `LoadHandle` whose
+    layer futures the forward pass waits on.
+
+    Every method must be called from the event loop that opened the controller.
+
+    Args:
+        device_pool, host_pool: the L1 and L2 pools (same `KVLayout`).
+        device_allocator, host_allocator: the pools' allocators (created when
+            not given; pass the engine's own device allocator to share it).
+        write_policy: one of `WRITE_POLICIES` (used by the cache facade).
+        auto_start_writes: start queued writes on the next loop iteration.
+        track_acks: keep finished write acks for `drain_acks` (what an
+            engine's scheduler tick polls).
+
+    Raises:
+        ConfigError: unknown write policy.
+        InvalidInputError: pools or allocators that do not match.
+    """
+
+    def __init__(
+        self,
+        device_pool: DeviceKVPool,
+        host_pool: HostKVPool,
+        *,
+        device_allocator: PageAllocator | None = None,
+        host_allocator: PageAllocator | None = None,
+        write_policy: str = "write_through",
+        auto_start_writes: bool = True,
+        track_acks: bool = True,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        self.engine = CopyEngine(device_pool, host_pool)
+        self.layout = device_pool.layout
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        ps = self.layout.page_size
+        self.device_allocator = device_allocator or PageAllocator(device_pool.num_slots, ps)
+        self.host_allocator = host_allocator or PageAllocator(host_pool.num_slots, ps)
+        for name, alloc, pool_slots in (
+            ("device_allocator", self.device_allocator, device_pool.num_slots),
+            ("host_allocator", self.host_allocator, host_pool.num_slots),
+        ):
+            if alloc.page_size != ps or alloc.num_slots != pool_slots:
+                raise InvalidInputError(
+                    f"{name} does not match its pool ({alloc} vs {pool_slots} slots)"
+                )
+        self.write_policy = write_policy
+        self.auto_start_writes = auto_start_writes
+        self.track_acks = track_acks
+        self.state = ControllerState.CREATED
+        self.stats = ControllerStats()
+        self.layer_done_counter = LayerDoneCounter(self.layout.num_layers)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._write_stream: CopyStream | None = None
+        self._load_stream: CopyStream | None = None
+        self._write_queue: list[_Operation] = []
+        self._load_queue: list[_Operation] = []
+        self._write_start_scheduled = False
+        self._finished: deque[CopyAck] = deque()
+        self._inflight: set[asyncio.Future[None]] = set()
+        self._closed = asyncio.Event()
+        self._ids = itertools.count()
+        # Pages with a copy queued or running, per pool: they may not be freed.
+        self._busy_device = torch.zeros(self.device_allocator.num_pages, dtype=torch.int32)
+        self._busy_host = torch.zeros(self.host_allocator.num_pages, dtype=torch.int32)
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def open(self) -> Self:
+        """Start the copy streams on the running loop. Called by ``async with``.
+
+        Raises:
+            StateError: already opened; ClosedError: closed.
+        """
+        if self.state is ControllerState.OPEN:
+            raise StateError("the controller is already open")
+        if self.state is not ControllerState.CREATED:
+            raise ClosedError("the controller was closed; create a new one")
+        self._loop = asyncio.get_running_loop()
+        self._write_stream = CopyStream("write", self.device_pool.device)
+        self._load_stream = CopyStream("load", self.device_pool.device)
+        self.state = ControllerState.OPEN
+        return self
+
+    async def __aenter__(self) -> Self:
+        return await self.open()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Start what is queued, wait for every copy in flight, stop the streams.
+
+        Idempotent. If the closing task is cancelled, the streams are still
+        stopped (after their current copy) and the cancellation propagates.
+        """
+        if self.state in (ControllerState.CLOSED, ControllerState.CREATED):
+            self.state = ControllerState.CLOSED
+            return
+        if self.state is ControllerState.CLOSING:
+            await self._closed.wait()
+            return
+        self.state = ControllerState.CLOSING
+        try:
+            self._start_writes_now()
+            self._start_loads_now()
+            await self.wait_idle()
+        finally:
+            streams = [s for s in (self._write_stream, self._load_stream) if s is not None]
+
+            def close_streams() -> None:
+                for s in streams:
+                    s.close()
+
+            closer = asyncio.ensure_future(asyncio.to_thread(close_streams))
+            try:
+                await asyncio.shield(closer)
+            finally:
+                self.state = ControllerState.CLOSED
+                self._closed.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no copy is queued or in flight (errors are not raised here)."""
+        while self._inflight or self._write_queue:
+            if self._write_queue and not self._write_start_scheduled:
+                self._start_writes_now()
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+            await asyncio.sleep(0)
+
+    def _check_open(self) -> asyncio.AbstractEventLoop:
+        if self.state is not ControllerState.OPEN:
+            if self.state is ControllerState.CREATED:
+                raise StateError(
+                    "the controller is not open: use `async with controller` or `await open()`"
+                )
+            raise ClosedError("the controller is closed")
+        assert self._loop is not None
+        return self._loop
+
+    # -- bookkeeping ----------------------------------------------------------
+
+    def _pages(self, indices: torch.Tensor) -> torch.Tensor:
+        return indices[:: self.layout.page_size] // self.layout.page_size
+
+    def _mark_busy(self, op: _Operation, delta: int) -> None:
+        if op.host_indices.numel():
+            self._busy_host[self._pages(op.host_indices)] += delta
+            self._busy_device[self._pages(op.device_indices.cpu())] += delta
+
+    def _new_op(
+        self,
+        kind: Literal["write", "load"],
+        host: torch.Tensor,
+        dev: torch.Tensor,
+        priority: int,
+        node_id: int | None,
+        track: bool,
+    ) -> _Operation:
+        loop = self._check_open()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidInputError(f"priority must be an int, got {priority!r}")
+        nid = next(self._ids) if node_id is None else node_id
+        ack = CopyAck(kind, nid, host, dev, loop.create_future())
+        op = _Operation(host, dev, priority, ack, track)
+        self._mark_busy(op, +1)
+        return op
+
+    # -- device -> host -------------------------------------------------------
+
+    def submit_write(
+        self,
+        device_indices: torch.Tensor,
+        priority: int = 0,
+        node_id: int | None = None,
+        *,
+        track: bool = True,
+    ) -> CopyAck | None:
+        """Queue a backup of ``device_indices`` into newly allocated host slots.
+
+        Returns:
+            The ack (with ``host_indices``), or ``None`` when host memory is full.
+            The caller owns the host slots (free them with `evict_host`).
+
+        Raises:
+            InvalidInputError: bad device indices. ClosedError / StateError: not open.
+        """
+        self._check_open()
+        dev = check_slot_indices(
+            device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
+        )
+        if not self.device_allocator.is_allocated(dev):
+            raise InvalidInputError("device_indices include slots that are not allocated")
+        host = self.host_allocator.alloc(dev.numel())
+        if host is None:
+            self.stats.host_full += 1
+            return None
+        try:
+            op = self._new_op("write", host, dev, priority, node_id, track)
+        except BaseException:
+            self.host_allocator.free(host)
+            raise
+        self._write_queue.append(op)
+        self.stats.writes += 1
+        if self.auto_start_writes and not self._write_start_scheduled:
+            self._write_start_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._start_writes_now)
+        return op.ack
+
+    def write(
+        self, device_indices: torch.Tensor, priority: int = 0, node_id: int | None = None
+    ) -> torch.Tensor | None:
+        """The seed's verb: queue a backup; return the host slots or ``None`` when host memory is full.
+
+        Its completion comes out of `drain_acks`; `submit_write` returns an awaitable ack instead.
+        """
+        ack = self.submit_write(device_indices, priority, node_id)
+        return None if ack is None else ack.host_indices
+
+    def start_writing(self) -> int:
+        """Start every queued write now, merged into one copy; returns how many were started."""
+        self._check_open()
+        return self._start_writes_now()
+
+    def _start_writes_now(self) -> int:
+        self._write_start_scheduled = False
+        ops, self._write_queue = self._write_queue, []
+        if not ops or self._write_stream is None:
+            return 0
+        ops.sort(key=lambda o: o.priority)
+        host = torch.cat([o.host_indices for o in ops])
+        dev = torch.cat([o.device_indices for o in ops])
+        plan = self.engine.plan(host, dev)
+        stream = self._write_stream
+        engine = self.engine
+
+        def job() -> None:
+            engine.backup_all_layers(plan)
+            ev = stream.record_event()
+            if ev is not None:
+                ev.synchronize()
+
+        self.stats.write_batches += 1
+        self.stats.bytes_device_to_host += engine.plan_bytes(plan)
+        self._launch(stream, job, ops, None)
+        return len(ops)
+
+    # -- host -> device -------------------------------------------------------
+
+    def submit_load(
+        self,
+        host_indices: torch.Tensor,
+        priority: int = 0,
+        node_id: int | None = None,
+        *,
+        track: bool = True,
+    ) -> CopyAck | None:
+        """Queue a load of ``host_indices`` into newly allocated device slots.
+
+        The copy starts at the next `start_loading`.
+
+        Returns:
+            The ack (with ``device_indices``), or ``None`` when device memory is full.
+
+        Raises:
+            InvalidInputError: bad host indices. ClosedError / StateError: not open.
+        """
+        self._check_open()
+        host = check_slot_indices(
+            host_indices, self.layout.page_size, self.host_pool.num_slots, "host_indices"
+        )
+        if not self.host_allocator.is_allocated(host):
+            raise InvalidInputError("host_indices include slots that are not allocated")
+        dev = self.device_allocator.alloc(host.numel())
+        if dev is None:
+            self.stats.device_full += 1
+            return None
+        try:
+            op = self._new_op("load", host, dev, priority, node_id, track)
+        except BaseException:
+            self.device_allocator.free(dev)
+            raise
+        self._load_queue.append(op)
+        self.stats.loads += 1
+        return op.ack
+
+    def load(
+        self, host_indices: torch.Tensor, priority: int = 0, node_id: int | None = None
+    ) -> torch.Tensor | None:
+        """The seed's verb: queue a load; return the device slots or ``None`` when device memory is full."""
+        ack = self.submit_load(host_indices, priority, node_id)
+        return None if ack is None else ack.device_indices
+
+    def start_loading(self) -> LoadHandle | None:
+        """Start every queued load now, merged, layer by layer on the load stream.
+
+        Returns:
+            The `LoadHandle`, or ``None`` when nothing was queued.
+        """
+        self._check_open()
+        return self._start_loads_now()
+
+    def _start_loads_now(self) -> LoadHandle | None:
+        ops, self._load_queue = self._load_queue, []
+        if not ops or self._load_stream is None or self._loop is None:
+            return None
+        ops.sort(key=lambda o: o.priority)
+        host = torch.cat([o.host_indices for o in ops])
+        dev = torch.cat([o.device_indices for o in ops])
+        plan = self.engine.plan(host, dev)
+        stream = self._load_stream
+        engine = self.engine
+        num_layers = self.layout.num_layers
+        producer_id, layers = self.layer_done_counter.update_producer(
+            self._loop, cuda=stream.is_cuda
+        )
+
+        def job() -> None:
+            try:
+                events: list[torch.cuda.Event | None] = []
+                for i in range(num_layers):
+                    engine.load_layer(i, plan)
+                    ev = stream.record_event()
+                    if ev is None:
+                        layers.mark_done(i)
+                    else:
+                        layers.mark_recorded(i, ev)
+                        events.append(ev)
+                for i, ev in enumerate(events):
+                    assert ev is not None
+                    ev.synchronize()
+                    layers.mark_done(i)
+            except BaseException as e:
+                layers.mark_failed(e)
+                raise
+
+        self.stats.load_batches += 1
+        self.stats.bytes_host_to_device += engine.plan_bytes(plan)
+        done = self._launch(stream, job, ops, layers)
+        return LoadHandle(producer_id, host, dev, layers, done, [o.ack for o in ops])
+
+    # -- completion -----------------------------------------------------------
+
+    def _launch(
+        self,
+        stream: CopyStream,
+        job: Callable[[], None],
+        ops: list[_Operation],
+        layers: LayerDoneSet | None,
+    ) -> asyncio.Future[None]:
+        assert self._loop is not None
+        try:
+            fut: asyncio.Future[None] = asyncio.wrap_future(stream.submit(job), loop=self._loop)
+        except BaseException as e:
+            fut = self._loop.create_future()
+            fut.set_exception(e)
+            if layers is not None:
+                layers.mark_failed(e)
+        self._inflight.add(fut)
+        fut.add_done_callback(lambda f: self._finish(f, ops))
+        return fut
+
+    def _finish(self, fut: asyncio.Future[None], ops: list[_Operation]) -> None:
+        self._inflight.discard(fut)
+        error = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+        if error is not None:
+            self.stats.copy_errors += 1
+            logger.warning(
+                "a %s copy of %d operation(s) failed: %r", ops[0].ack.kind, len(ops), error
+            )
+        for op in ops:
+            self._mark_busy(op, -1)
+            if error is None:
+                op.ack._future.set_result(None)
+            else:
+                op.ack._future.set_exception(error)
+                op.ack._future.exception()  # reported to awaiters; nobody awaiting is fine
+            if op.track and op.ack.kind == "write" and self.track_acks:
+                self._finished.append(op.ack)
+
+    def drain_acks(self) -> list[CopyAck]:
+        """Finished write acks since the last call, oldest first (non-blocking).
+
+        What an engine's scheduler tick polls instead of awaiting each ack.
+        """
+        out = list(self._finished)
+        self._finished.clear()
+        return out
+
+    # -- cancel-safe coroutines -----------------------------------------------
+
+    async def backup(self, device_indices: torch.Tensor, priority: int = 0) -> torch.Tensor | None:
+        """Copy device slots into new host slots and wait for the bytes.
+
+        Returns:
+            The host slots (the caller owns them), or ``None`` when host memory is full.
+
+        Cancelling the caller does not stop the copy; its host slots are freed
+        when it finishes, so nothing leaks. A failed copy frees them and raises.
+        """
+        ack = self.submit_write(device_indices, priority, track=False)
+        if ack is None:
+            return None
+        await self._await_or_release(ack, lambda: self.host_allocator.free(ack.host_indices))
+        return ack.host_indices
+
+    async def load_back(self, host_indices: torch.Tensor, priority: int = 0) -> torch.Tensor | None:
+        """Load host slots into new device slots (starting the load now) and wait for all layers.
+
+        Returns:
+            The device slots (the caller owns them), or ``None`` when device memory is full.
+
+        Cancel-safe like `backup`: the device slots of an abandoned load are
+        freed once its copy finishes.
+        """
+        ack = self.submit_load(host_indices, priority, track=False)
+        if ack is None:
+            return None
+        self.start_loading()
+        await self._await_or_release(ack, lambda: self.device_allocator.free(ack.device_indices))
+        return ack.device_indices
+
+    async def _await_or_release(self, ack: CopyAck, release: Callable[[], None]) -> None:
+        try:
+            await ack
+        except asyncio.CancelledError:
+            ack.add_done_callback(lambda _a: release())
+            raise
+        except BaseException:
+            release()
+            raise
+
+    # -- eviction and reset ---------------------------------------------------
+
+    def ack_busy(self, pool: Literal["device", "host"], indices: torch.Tensor) -> bool:
+        """Whether any page of ``indices`` has a copy queued or in flight."""
+        busy = self._busy_device if pool == "device" else self._busy_host
+        return bool(indices.numel()) and bool((busy[self._pages(indices.cpu())] > 0).any())
+
+    def evict_device(self, device_indices: torch.Tensor) -> int:
+        """Free device slots (their host copies, if any, stay). Returns slots freed.
+
+        Raises:
+            StateError: a copy of those slots is queued or in flight.
+            InvalidInputError / DoubleFreeError: bad or unallocated slots.
+        """
+        self._check_open()
+        if self.ack_busy("device", device_indices):
+            raise StateError("device slots with a copy in flight cannot be evicted; await its ack")
+        self.device_allocator.free(device_indices)
+        return int(device_indices.numel())
+
+    def evict_host(self, host_indices: torch.Tensor) -> int:
+        """Free host slots. Returns slots freed.
+
+        Raises:
+            StateError: a copy of those slots is queued or in flight.
+            InvalidInputError / DoubleFreeError: bad or unallocated slots.
+        """
+        self._check_open()
+        if self.ack_busy("host", host_indices):
+            raise StateError("host slots with a copy in flight cannot be evicted; await its ack")
+        self.host_allocator.free(host_indices)
+        return int(host_indices.numel())
+
+    async def reset(self) -> None:
+        """Wait for every copy, then free every device and host slot."""
+        self._check_open()
+        await self.wait_idle()
+        for op in self._load_queue:
+            self._mark_busy(op, -1)
+            op.ack._future.cancel()
+        self._load_queue.clear()
+        self._finished.clear()
+        self.device_allocator.reset()
+        self.host_allocator.reset()
+        self.layer_done_counter.reset()
+
+    def plan(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> TransferPlan:
+        """Validate a host/device pairing (see `CopyEngine.plan`)."""
+        return self.engine.plan(host_indices, device_indices)
+
+    def __repr__(self) -> str:
+        return f"TierController({self.layout.describe()}, state={self.state.value}, policy={self.write_policy})"

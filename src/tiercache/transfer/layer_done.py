@@ -1,0 +1,207 @@
+"""Per-layer completion of loads: asyncio futures, thread events and CUDA events."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from tiercache.errors import InvalidInputError, StateError
+
+__all__ = ["LayerDoneCounter", "LayerDoneSet"]
+
+
+def _consume(fut: asyncio.Future[None]) -> None:
+    # Mark a failed future's exception as retrieved: the failure is reported to
+    # whoever awaits the layer, and nobody awaiting it is not an error.
+    if fut.done() and not fut.cancelled():
+        fut.exception()
+
+
+class LayerDoneSet:
+    """Completion of one load, layer by layer.
+
+    For every layer it holds an asyncio future (resolved on the owning loop,
+    set from the copy thread with ``call_soon_threadsafe``), a
+    ``threading.Event`` for a synchronous forward pass running in a worker
+    thread, and on CUDA the ``torch.cuda.Event`` recorded after the layer's
+    copy, on which the compute stream can wait without blocking the host.
+
+    Created and awaited on the loop thread; ``mark_*`` are called from the copy
+    thread; ``wait_sync`` from any thread but the loop's.
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, num_layers: int, cuda: bool = False
+    ) -> None:
+        self.loop = loop
+        self._loop_thread = threading.get_ident()  # created on the loop's thread
+        self.num_layers = num_layers
+        self.futures: list[asyncio.Future[None]] = [loop.create_future() for _ in range(num_layers)]
+        self._done = [threading.Event() for _ in range(num_layers)]
+        self._recorded = [threading.Event() for _ in range(num_layers)] if cuda else None
+        self.cuda_events: list[torch.cuda.Event | None] = [None] * num_layers
+        self.error: BaseException | None = None
+
+    # -- copy thread side ---------------------------------------------------
+
+    def mark_recorded(self, layer: int, event: torch.cuda.Event | None) -> None:
+        """CUDA: the layer's copy is enqueued and ``event`` follows it."""
+        self.cuda_events[layer] = event
+        if self._recorded is not None:
+            self._recorded[layer].set()
+
+    def mark_done(self, layer: int) -> None:
+        """The layer's bytes are in place on the device."""
+        self._done[layer].set()
+        self._call(self._resolve, layer)
+
+    def mark_failed(self, error: BaseException) -> None:
+        """The load failed: every layer not yet done fails with ``error``."""
+        self.error = error
+        for i in range(self.num_layers):
+            if self._recorded is not None:
+                self._recorded[i].set()
+            self._done[i].set()
+        self._call(self._fail_all, error)
+
+    def _call(self, fn: object, *args: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)  # type: ignore[arg-type]
+        except RuntimeError:  # the loop is closed: nobody can await any more
+            pass
+
+    def _resolve(self, layer: int) -> None:
+        fut = self.futures[layer]
+        if not fut.done():
+            fut.set_result(None)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for fut in self.futures:
+            if not fut.done():
+                fut.set_exception(error)
+                _consume(fut)
+
+    # -- consumer side ------------------------------------------------------
+
+    def _check(self, layer: int) -> None:
+        if (
+            isinstance(layer, bool)
+            or not isinstance(layer, int)
+            or not 0 <= layer < self.num_layers
+        ):
+            raise InvalidInputError(
+                f"layer must be an int in [0, {self.num_layers}), got {layer!r}"
+            )
+
+    async def wait(self, layer: int) -> None:
+        """Return once layer ``layer`` is on the device (raises the load's error if it failed).
+
+        Cancelling the waiter does not cancel the load.
+        """
+        self._check(layer)
+        await asyncio.shield(self.futures[layer])
+
+    def is_done(self, layer: int) -> bool:
+        self._check(layer)
+        return self._done[layer].is_set()
+
+    def wait_sync(self, layer: int, timeout: float | None = None) -> None:
+        """Block the calling thread until layer ``layer`` is on the device.
+
+        For a synchronous forward pass running in a worker thread.
+
+        Raises:
+            StateError: called on the event loop's own thread (it would deadlock),
+                or ``timeout`` expired.
+            Exception: the load's error, if it failed.
+        """
+        self._check(layer)
+        if threading.get_ident() == self._loop_thread:
+            raise StateError(
+                "wait_sync on the event loop thread would deadlock; await the layer instead"
+            )
+        if not self._done[layer].wait(timeout):
+            raise StateError(f"layer {layer} not loaded within {timeout} s")
+        if self.error is not None and not self._layer_ok(layer):
+            raise self.error
+
+    def _layer_ok(self, layer: int) -> bool:
+        fut = self.futures[layer]
+        return fut.done() and not fut.cancelled() and fut.exception() is None
+
+    def wait_device(self, layer: int) -> None:
+        """On CUDA, make the current stream wait for layer ``layer`` without blocking the host.
+
+        Blocks the calling thread only until the layer's copy has been
+        *enqueued* (microseconds); the wait itself happens on the GPU. On a CPU
+        device it is `wait_sync`.
+        """
+        self._check(layer)
+        if self._recorded is None:
+            self.wait_sync(layer)
+            return
+        self._recorded[layer].wait()
+        if self.error is not None:
+            raise self.error
+        ev = self.cuda_events[layer]
+        if ev is not None:
+            torch.cuda.current_stream().wait_event(ev)
+
+
+class LayerDoneCounter:
+    """The seed's three rotating producer sets of per-layer completion.
+
+    Each `start_loading` takes the next set (``update_producer``); the forward
+    pass names the set it consumes (``set_consumer``) and waits layer by layer.
+    Three sets let the loads of one batch run while the previous batch's
+    forward pass still consumes its own. A set is replaced, not reset, so a
+    load still in flight keeps resolving the set it was given.
+    """
+
+    def __init__(self, num_layers: int, num_counters: int = 3) -> None:
+        self.num_layers = num_layers
+        self.num_counters = num_counters
+        self._sets: list[LayerDoneSet | None] = [None] * num_counters
+        self.producer_index = -1
+        self.consumer_index = -1
+
+    def update_producer(
+        self, loop: asyncio.AbstractEventLoop, cuda: bool = False
+    ) -> tuple[int, LayerDoneSet]:
+        """Take the next set for a new load; returns its index and the set."""
+        self.producer_index = (self.producer_index + 1) % self.num_counters
+        done = LayerDoneSet(loop, self.num_layers, cuda)
+        self._sets[self.producer_index] = done
+        return self.producer_index, done
+
+    def set_consumer(self, index: int) -> None:
+        if not 0 <= index < self.num_counters:
+            raise InvalidInputError(
+                f"consumer index must be in [0, {self.num_counters}), got {index}"
+            )
+        self.consumer_index = index
+
+    def current(self) -> LayerDoneSet | None:
+        """The set the consumer reads, or ``None`` when nothing was loaded for it."""
+        if self.consumer_index < 0:
+            return None
+        return self._sets[self.consumer_index]
+
+    async def wait_until(self, layer: int) -> None:
+        """Await layer ``layer`` of the consumer's set (no-op when nothing is loading)."""
+        done = self.current()
+        if done is not None:
+            await done.wait(layer)
+
+    def wait_until_sync(self, layer: int, timeout: float | None = None) -> None:
+        """Block a worker thread until layer ``layer`` of the consumer's set is loaded."""
+        done = self.current()
+        if done is not None:
+            done.wait_sync(layer, timeout)
+
+    def reset(self) -> None:
+        self._sets = [None] * self.num_counters
+        self.producer_index = -1
+        self.consumer_index = -1

@@ -1,0 +1,86 @@
+"""Copy streams: ordered queues of copy work that run off the event loop."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import torch
+
+__all__ = ["CopyStream"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class CopyStream:
+    """An ordered stream of copy jobs, each run on the stream's own worker thread.
+
+    Jobs run one after another in submission order, as work on one CUDA stream
+    does. On a CPU device the worker thread *is* the stream: torch's copy
+    kernels release the GIL, so the event loop keeps running while bytes move.
+    On CUDA the worker enqueues the job's kernels on a dedicated
+    ``torch.cuda.Stream`` (so copies overlap the compute stream) and then waits
+    on the events it records, which is what turns GPU completion into host-side
+    futures without ever blocking the loop.
+
+    `submit` may be called from any thread; `close` waits for queued jobs.
+
+    Args:
+        name: used in the worker thread's name (``tiercache-<name>``).
+        device: the device whose memory the stream copies to or from.
+    """
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.cuda_stream: torch.cuda.Stream | None = (
+            torch.cuda.Stream(device) if self.is_cuda else None  # type: ignore[no-untyped-call]
+        )
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"tiercache-{name}"
+        )
+        self._closed = False
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        if self.cuda_stream is None:
+            yield
+        else:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.cuda_stream):
+                yield
+
+    def submit(self, job: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Queue ``job``; it runs on the worker thread inside the stream context.
+
+        Raises:
+            RuntimeError: the stream was closed.
+        """
+        if self._closed:
+            raise RuntimeError(f"copy stream {self.name} is closed")
+
+        def run() -> T:
+            with self._context(), torch.inference_mode():
+                return job()
+
+        return self._executor.submit(run)
+
+    def record_event(self) -> torch.cuda.Event | None:
+        """On CUDA, record an event on the stream (call from inside a job); else ``None``."""
+        if self.cuda_stream is None:
+            return None
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record(self.cuda_stream)
+        return ev
+
+    def close(self) -> None:
+        """Wait for queued jobs, then stop the worker. Blocking; idempotent."""
+        self._closed = True
+        self._executor.shutdown(wait=True)
+
+    def __repr__(self) -> str:
+        return f"CopyStream({self.name!r}, device={self.device})"

@@ -1,0 +1,114 @@
+import pytest
+import torch
+
+from tiercache import DeviceKVPool, HostKVPool, KVLayout
+from tiercache.errors import CapacityError, InvalidInputError
+from tiercache.memory import PageBuffer
+
+
+def test_layout_sizes() -> None:
+    lay = KVLayout(4, 8, 128, torch.float16, 64)
+    assert lay.token_layer_bytes == 8 * 128 * 2
+    assert lay.token_bytes == 2 * 4 * 8 * 128 * 2
+    assert lay.page_bytes == 64 * lay.token_bytes
+    mla = KVLayout(4, 1, 576, torch.bfloat16, 64, mla=True)
+    assert mla.num_buffers == 1 and mla.token_bytes == 4 * 576 * 2
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_layers=0, num_kv_heads=1, head_dim=8),
+        dict(num_layers=1, num_kv_heads=1, head_dim=8, page_size=0),
+        dict(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.int64),
+        dict(num_layers=1, num_kv_heads=2, head_dim=8, mla=True),
+        dict(num_layers=1.0, num_kv_heads=1, head_dim=8),
+    ],
+)
+def test_layout_rejects_bad_fields(kwargs: dict[str, object]) -> None:
+    with pytest.raises(InvalidInputError):
+        KVLayout(**kwargs)  # type: ignore[arg-type]
+
+
+def test_device_pool_buffers_mha_and_mla() -> None:
+    lay = KVLayout(3, 2, 8, torch.float16, 16)
+    pool = DeviceKVPool(lay, 64)
+    assert len(pool.k_buffer) == 3 and pool.k_buffer[0].shape == (64, 2, 8)
+    assert pool.v_buffer[2].dtype == torch.float16
+    with pytest.raises(InvalidInputError):
+        _ = pool.kv_buffer
+    mla = DeviceKVPool(KVLayout(3, 1, 24, torch.float16, 16, mla=True), 64)
+    assert mla.kv_buffer[1].shape == (64, 1, 24)
+    with pytest.raises(InvalidInputError):
+        _ = mla.k_buffer
+
+
+def test_device_pool_wraps_engine_tensors() -> None:
+    lay = KVLayout(2, 2, 8, torch.float32, 16)
+    ks = [torch.zeros(32, 2, 8) for _ in range(2)]
+    vs = [torch.zeros(32, 2, 8) for _ in range(2)]
+    pool = DeviceKVPool(lay, 32, k_buffers=ks, v_buffers=vs)
+    assert pool.k_buffer[1] is ks[1] and pool.stacked is None
+    with pytest.raises(InvalidInputError):
+        DeviceKVPool(lay, 32, k_buffers=ks, v_buffers=[torch.zeros(32, 2, 4)] * 2)
+    with pytest.raises(InvalidInputError):
+        DeviceKVPool(lay, 32, k_buffers=ks, v_buffers=[t.half() for t in vs])
+    with pytest.raises(InvalidInputError):
+        DeviceKVPool(lay, 32, k_buffers=ks)
+
+
+def test_host_pool_layouts_and_sizes() -> None:
+    lay = KVLayout(2, 2, 4, torch.bfloat16, 16)
+    lf = HostKVPool(lay, 64)
+    pf = HostKVPool(lay, 64, host_layout="page_first")
+    assert lf.buffer.shape == (2, 2, 64, 2, 4) and pf.buffer.shape == (2, 64, 2, 2, 4)
+    by_bytes = HostKVPool(lay, size_bytes=3 * lay.page_bytes + 5)
+    assert by_bytes.num_slots == 48
+    with pytest.raises(InvalidInputError):
+        HostKVPool(lay, 64, host_layout="token_first")
+    with pytest.raises(InvalidInputError):
+        HostKVPool(lay, 60)
+    with pytest.raises(InvalidInputError):
+        HostKVPool(lay, 64, size_bytes=100)
+    with pytest.raises(CapacityError):
+        HostKVPool(lay, size_bytes=1 << 50)
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+def test_page_buffer_is_a_zero_copy_view_of_one_page(host_layout: str) -> None:
+    lay = KVLayout(3, 2, 4, torch.float16, 16)
+    pool = HostKVPool(lay, 64, host_layout=host_layout)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape))
+    page = pool.page_buffer(16)
+    assert page.nbytes == lay.page_bytes
+    assert len(page.segments) == (2 if host_layout == "page_first" else 6)
+    # The page's bytes are exactly the page's K and V of every layer.
+    expect = b"".join(
+        pool.layer(b, layer)[16:32].contiguous().view(torch.uint8).numpy().tobytes()
+        for b in range(2)
+        for layer in range(3)
+    )
+    got = page.tobytes()
+    assert sorted(got) == sorted(expect)
+    if host_layout == "layer_first":
+        assert got == expect
+    # Writing through the view changes the pool, and only that page.
+    before = pool.buffer.clone()
+    page.write(bytes(page.nbytes))
+    assert bool((pool.tokens(0, 16, 32) == 0).all()) and bool((pool.tokens(1, 16, 32) == 0).all())
+    assert torch.equal(
+        pool.tokens(0, 0, 16),
+        before[0, :, 0:16] if host_layout == "layer_first" else before[0, 0:16],
+    )
+    with pytest.raises(InvalidInputError):
+        pool.page_buffer(8)
+    with pytest.raises(InvalidInputError):
+        page.write(b"short")
+
+
+def test_standalone_page_buffer() -> None:
+    p = PageBuffer.from_bytes(b"abc", "f")
+    assert p.tobytes() == b"abc" and p.nbytes == 3
+    q = PageBuffer.allocate(3, "f")
+    q.write(b"xyz")
+    assert q.tobytes() == b"xyz"

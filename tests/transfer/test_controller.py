@@ -1,0 +1,410 @@
+"""The device<->host half of TierController: round trips, layer futures,
+cancellation, loop responsiveness and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from tiercache import DeviceKVPool, HostKVPool, KVLayout, PageAllocator, TierController
+from tiercache.errors import (
+    ClosedError,
+    ConfigError,
+    DoubleFreeError,
+    InvalidInputError,
+    StateError,
+)
+from tiercache.transfer import LayerDoneCounter
+
+
+def make(
+    *,
+    layers: int = 3,
+    heads: int = 2,
+    dim: int = 8,
+    dtype: torch.dtype = torch.float16,
+    page_size: int = 16,
+    mla: bool = False,
+    device_slots: int = 256,
+    host_slots: int = 512,
+    host_layout: str = "layer_first",
+    **kw: object,
+) -> TierController:
+    lay = KVLayout(layers, 1 if mla else heads, dim, dtype, page_size, mla=mla)
+    dev = DeviceKVPool(lay, device_slots)
+    gen = torch.Generator().manual_seed(0)
+    for buf in dev.buffers:
+        for t in buf:
+            t.copy_(torch.randn(t.shape, generator=gen).to(dtype))
+    host = HostKVPool(lay, host_slots, host_layout=host_layout)
+    return TierController(dev, host, **kw)  # type: ignore[arg-type]
+
+
+def kv_at(c: TierController, slots: torch.Tensor) -> list[torch.Tensor]:
+    return [
+        c.device_pool.buffers[b][layer][slots].clone()
+        for b in range(c.layout.num_buffers)
+        for layer in range(c.layout.num_layers)
+    ]
+
+
+def scattered(alloc: PageAllocator, pages: int) -> torch.Tensor:
+    """Allocate ``pages`` pages and return them in a shuffled page order."""
+    ps = alloc.page_size
+    x = alloc.alloc(pages * ps)
+    assert x is not None
+    order = torch.randperm(pages, generator=torch.Generator().manual_seed(pages))
+    return x.view(-1, ps)[order].reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("mla", [False, True])
+async def test_round_trip_is_bit_identical(
+    dtype: torch.dtype, page_size: int, host_layout: str, mla: bool
+) -> None:
+    async with make(dtype=dtype, page_size=page_size, host_layout=host_layout, mla=mla) as c:
+        for shuffle in (False, True):
+            pages = 128 // page_size if page_size > 1 else 40
+            src = (
+                scattered(c.device_allocator, pages)
+                if shuffle
+                else c.device_allocator.alloc(pages * page_size)
+            )
+            assert src is not None
+            expect = kv_at(c, src)
+            host = await c.backup(src)
+            assert host is not None
+            c.evict_device(src)
+            # Overwrite the freed device slots so a stale read cannot pass.
+            for buf in c.device_pool.buffers:
+                for t in buf:
+                    t[src] = 0
+            dst = await c.load_back(host)
+            assert dst is not None
+            assert not torch.equal(dst, src) or shuffle  # usually other slots
+            got = kv_at(c, dst)
+            for e, g in zip(expect, got, strict=True):
+                assert torch.equal(e.view(torch.uint8), g.view(torch.uint8))
+            c.evict_device(dst)
+            c.evict_host(host)
+        assert c.host_allocator.available == c.host_allocator.num_slots
+        assert c.device_allocator.available == c.device_allocator.num_slots
+
+
+async def test_wrapped_engine_buffers_round_trip() -> None:
+    lay = KVLayout(2, 2, 8, torch.float32, 16)
+    ks = [torch.randn(64, 2, 8) for _ in range(2)]
+    vs = [torch.randn(64, 2, 8) for _ in range(2)]
+    dev = DeviceKVPool(lay, 64, k_buffers=ks, v_buffers=vs)
+    async with TierController(dev, HostKVPool(lay, 64, host_layout="page_first")) as c:
+        src = c.device_allocator.alloc(32)
+        assert src is not None
+        expect = [ks[1][src].clone(), vs[0][src].clone()]
+        host = await c.backup(src)
+        assert host is not None
+        dst = await c.load_back(host)
+        assert dst is not None
+        assert torch.equal(ks[1][dst], expect[0]) and torch.equal(vs[0][dst], expect[1])
+
+
+async def test_layer_futures_resolve_in_order_before_completion_with_data_in_place() -> None:
+    async with make(layers=6, device_slots=2048, host_slots=2048, dim=64) as c:
+        src = c.device_allocator.alloc(1024)
+        assert src is not None
+        expect = kv_at(c, src)
+        host = await c.backup(src)
+        assert host is not None
+        dst = c.load(host)
+        assert dst is not None
+        handle = c.start_loading()
+        assert handle is not None and handle.num_layers == 6
+        events: list[object] = []
+        seen_ok: list[bool] = []
+
+        def on_layer(i: int) -> None:
+            events.append(i)
+            # When layer i is reported loaded, its bytes are already in place.
+            ok = all(
+                torch.equal(c.device_pool.buffers[b][i][dst], expect[b * 6 + i]) for b in range(2)
+            )
+            seen_ok.append(ok)
+
+        for i in range(6):
+            handle.layers.futures[i].add_done_callback(lambda _f, i=i: on_layer(i))
+        handle._future.add_done_callback(lambda _f: events.append("all"))
+        for i in range(6):
+            await handle.layer(i)
+            assert all(
+                torch.equal(c.device_pool.buffers[b][i][dst], expect[b * 6 + i]) for b in range(2)
+            )
+        await handle
+        await asyncio.sleep(0)  # done-callbacks are scheduled, not run inline
+        assert events == [0, 1, 2, 3, 4, 5, "all"]
+        assert all(seen_ok)
+        assert all(a.done() for a in handle.acks)
+
+
+async def test_sync_wait_from_a_worker_thread_and_not_on_the_loop() -> None:
+    async with make() as c:
+        src = c.device_allocator.alloc(64)
+        assert src is not None
+        host = await c.backup(src)
+        assert host is not None
+        c.load(host)
+        handle = c.start_loading()
+        assert handle is not None
+
+        def forward() -> list[int]:
+            order = []
+            for i in range(c.layout.num_layers):
+                handle.wait_layer(i, timeout=10)
+                handle.wait_layer_device(i)
+                order.append(i)
+            return order
+
+        assert await asyncio.to_thread(forward) == [0, 1, 2]
+        with pytest.raises(StateError):
+            handle.wait_layer(0)
+        with pytest.raises(InvalidInputError):
+            await handle.layer(3)
+
+
+async def test_layer_done_counter_rotates_three_sets() -> None:
+    loop = asyncio.get_running_loop()
+    counter = LayerDoneCounter(2)
+    ids = [counter.update_producer(loop)[0] for _ in range(4)]
+    assert ids == [0, 1, 2, 0]
+    counter.set_consumer(0)
+    done = counter.current()
+    assert done is not None
+    done.mark_done(0)
+    await counter.wait_until(0)
+    with pytest.raises(InvalidInputError):
+        counter.set_consumer(3)
+
+
+async def test_merged_writes_priorities_and_drained_acks() -> None:
+    async with make(auto_start_writes=False) as c:
+        slots = [c.device_allocator.alloc(16) for _ in range(3)]
+        acks = [
+            c.submit_write(s, priority=p, node_id=10 + p)
+            for s, p in zip(slots, [2, 0, 1], strict=True)
+        ]  # type: ignore[arg-type]
+        assert all(a is not None for a in acks)
+        assert c.drain_acks() == []
+        assert c.start_writing() == 3
+        for a in acks:
+            assert a is not None
+            await a
+        assert c.stats.write_batches == 1
+        assert sorted(a.node_id for a in c.drain_acks()) == [10, 11, 12]
+        assert c.drain_acks() == []
+        assert c.start_writing() == 0
+
+
+async def test_full_host_and_device_return_none_and_keep_accounting() -> None:
+    async with make(device_slots=64, host_slots=32) as c:
+        src = c.device_allocator.alloc(64)
+        assert src is not None
+        assert c.write(src) is None
+        assert c.stats.host_full == 1
+        host = await c.backup(src[:32])
+        assert host is not None
+        assert c.load(host) is None  # device is full
+        assert c.stats.device_full == 1
+        assert c.host_allocator.available == 0 and c.device_allocator.available == 0
+
+
+@pytest.mark.parametrize("point", ["before_start", "during_copy"])
+async def test_cancelling_a_backup_or_load_leaks_nothing(
+    point: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with make(layers=4) as c:
+        start_host, start_dev = c.host_allocator.available, c.device_allocator.available
+        gate = threading.Event()
+        real_backup, real_load = c.engine.backup_all_layers, c.engine.load_layer
+
+        def held_backup(plan: object) -> None:
+            gate.wait(10)
+            real_backup(plan)  # type: ignore[arg-type]
+
+        def held_load(layer: int, plan: object) -> None:
+            gate.wait(10)
+            real_load(layer, plan)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(c.engine, "backup_all_layers", held_backup)
+        monkeypatch.setattr(c.engine, "load_layer", held_load)
+        src = c.device_allocator.alloc(64)
+        assert src is not None
+        gate.set()
+        host = await c.backup(src)
+        assert host is not None
+        gate.clear()
+        held_host, held_dev = c.host_allocator.available, c.device_allocator.available
+        tasks = [asyncio.create_task(c.backup(src)) for _ in range(3)]
+        tasks += [asyncio.create_task(c.load_back(host)) for _ in range(3)]
+        if point == "during_copy":
+            for _ in range(3):
+                await asyncio.sleep(0)
+            # The copies are running (held at the gate): their slots are taken.
+            assert c.host_allocator.available == held_host - 3 * 64
+            assert c.device_allocator.available == held_dev - 3 * 64
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with pytest.raises(asyncio.CancelledError):
+                await t
+        gate.set()
+        await c.wait_idle()
+        await asyncio.sleep(0)  # the release callbacks run after the acks resolve
+        assert c.host_allocator.available == held_host
+        assert c.device_allocator.available == held_dev
+        c.evict_host(host)
+        c.evict_device(src)
+        assert c.host_allocator.available == start_host
+        assert c.device_allocator.available == start_dev
+
+
+async def test_a_failing_copy_fails_its_layers_frees_and_leaves_the_controller_working(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with make(layers=4) as c:
+        src = c.device_allocator.alloc(32)
+        assert src is not None
+        host = await c.backup(src)
+        assert host is not None
+        real = c.engine.load_layer
+
+        def broken(layer: int, plan: object) -> None:
+            if layer == 2:
+                raise RuntimeError("copy engine fault")
+            real(layer, plan)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(c.engine, "load_layer", broken)
+        before = c.device_allocator.available
+        c.load(host)
+        handle = c.start_loading()
+        assert handle is not None
+        await handle.layer(1)
+        with pytest.raises(RuntimeError, match="copy engine fault"):
+            await handle.layer(2)
+        with pytest.raises(RuntimeError):
+            await handle
+        with pytest.raises(RuntimeError):
+            await c.load_back(host)
+        assert c.stats.copy_errors == 2
+        monkeypatch.setattr(c.engine, "load_layer", real)
+        dst = await c.load_back(host)
+        assert dst is not None
+        assert (
+            c.device_allocator.available == before - 32 - 32
+        )  # the first handle's slots stay the caller's
+
+
+async def test_event_loop_stays_responsive_while_a_gigabyte_moves() -> None:
+    # 8 layers x 2 (K,V) x 32768 tokens x 8 heads x 128 dim x fp16 = 1 GiB.
+    c = make(layers=8, heads=8, dim=128, page_size=64, device_slots=32768, host_slots=32768)
+    assert c.device_pool.nbytes >= 1 << 30
+    async with c:
+        src = c.device_allocator.alloc(32768)
+        assert src is not None
+        lags: list[float] = []
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                await asyncio.sleep(0.001)
+                lags.append(time.perf_counter() - t0 - 0.001)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        t0 = time.perf_counter()
+        host = await c.backup(src)
+        c.evict_device(src)
+        dst = await c.load_back(host)  # type: ignore[arg-type]
+        elapsed = time.perf_counter() - t0
+        stop.set()
+        await tick
+        assert dst is not None
+        assert c.stats.bytes_device_to_host + c.stats.bytes_host_to_device >= 2 << 30
+        # A blocked loop would show one lag as long as the whole transfer.
+        assert max(lags) < 0.25 * elapsed, (max(lags), elapsed)
+        assert len(lags) > 10
+
+
+async def test_bad_input_raises_documented_errors() -> None:
+    c = make()
+    with pytest.raises(StateError):
+        c.write(torch.arange(16))
+    async with c:
+        ok = c.device_allocator.alloc(32)
+        assert ok is not None
+        with pytest.raises(InvalidInputError):
+            c.write(ok.to(torch.int32))
+        with pytest.raises(InvalidInputError):
+            c.write(ok[:8])  # not a whole page
+        with pytest.raises(InvalidInputError):
+            c.write(ok + 1)  # not page-aligned
+        with pytest.raises(InvalidInputError):
+            c.write(torch.arange(256, 272))  # out of range
+        with pytest.raises(InvalidInputError):
+            c.write(torch.arange(64, 80))  # not allocated on the device
+        with pytest.raises(InvalidInputError):
+            c.write(ok.view(2, 16))
+        with pytest.raises(InvalidInputError):
+            c.load(torch.arange(0, 16))  # host slots not allocated
+        with pytest.raises(InvalidInputError):
+            c.plan(torch.arange(16), torch.arange(32))  # lengths differ
+        with pytest.raises(InvalidInputError):
+            c.write(ok, priority="high")  # type: ignore[arg-type]
+        assert c.host_allocator.available == 512  # nothing was reserved by the failures
+        host = c.write(ok)
+        assert host is not None
+        with pytest.raises(StateError):
+            c.evict_host(host)  # its copy is in flight
+        await c.wait_idle()
+        c.evict_host(host)
+        with pytest.raises(DoubleFreeError):
+            c.evict_host(host)
+    with pytest.raises(ClosedError):
+        c.write(ok)
+    with pytest.raises(ClosedError):
+        await c.open()
+    await c.aclose()  # idempotent
+
+
+def test_constructor_validation() -> None:
+    lay = KVLayout(2, 2, 8, torch.float16, 16)
+    with pytest.raises(ConfigError):
+        TierController(DeviceKVPool(lay, 32), HostKVPool(lay, 32), write_policy="write_sometimes")
+    other = KVLayout(2, 2, 8, torch.float32, 16)
+    with pytest.raises(InvalidInputError):
+        TierController(DeviceKVPool(lay, 32), HostKVPool(other, 32))
+    with pytest.raises(InvalidInputError):
+        TierController(
+            DeviceKVPool(lay, 32), HostKVPool(lay, 32), host_allocator=PageAllocator(64, 16)
+        )
+
+
+async def test_reset_frees_everything_and_close_drains_queued_writes() -> None:
+    c = make(auto_start_writes=False)
+    async with c:
+        src = c.device_allocator.alloc(64)
+        assert src is not None
+        ack = c.submit_write(src)
+        assert ack is not None
+        await c.reset()
+        assert ack.done()
+        assert c.host_allocator.available == 512 and c.device_allocator.available == 256
+        src = c.device_allocator.alloc(64)
+        assert src is not None
+        ack = c.submit_write(src)
+        assert ack is not None and not ack.done()
+    assert ack.done() and not ack.failed()
