@@ -700,3 +700,108 @@ async def test_mismatched_batch_lengths_are_rejected() -> None:
         await fb.batch_get([key(0)], [])
     with pytest.raises(InvalidInputError):
         await fb.batch_set([], [page(0)])
+
+
+async def test_large_damaged_batches_are_delivered_off_the_loop() -> None:
+    big = 600 * 1024  # two pages: over the 1 MiB delivered on the loop
+    fb, inner = make(FaultSpec(FaultKind.FLIP, pages=None, flip_bytes=5))
+    data = [bytes([i + 1]) * big for i in range(2)]
+    keys = [key(0), key(1)]
+    await inner.batch_set(keys, [PageBuffer.from_bytes(x, FMT) for x in data])
+    bufs = [PageBuffer.allocate(big, FMT) for _ in keys]
+    assert await fb.batch_get(keys, bufs) == [True, True]
+    for b, x in zip(bufs, data, strict=True):
+        assert sum(1 for u, v in zip(b.tobytes(), x, strict=True) if u != v) == 5
+
+
+# -- with the real in-process backend, and by URL ---------------------------------------
+
+
+async def test_faults_over_the_memory_backend() -> None:
+    from tiercache.storage.memory import MemoryBackend
+
+    inner = MemoryBackend()
+    fb = FaultyBackend(
+        inner, FaultPlan.of(FaultSpec(FaultKind.PARTIAL, ops={"get"}, keep_pages=1), seed=0)
+    )
+    keys = [key(i) for i in range(3)]
+    assert await fb.batch_set(keys, [page(i) for i in range(3)]) == [True] * 3
+    bufs = [sentinel() for _ in keys]
+    assert await fb.batch_get(keys, bufs) == [True, False, False]
+    assert [b.tobytes() for b in bufs] == [payload(0), b"\xaa" * PAGE, b"\xaa" * PAGE]
+    assert (await fb.stats()).get_pages == 1  # the memory backend saw one page only
+    fb.fail_all()
+    with pytest.raises(BackendUnavailableError):
+        await fb.batch_exists(keys)
+    fb.fail_all(False)
+    assert await fb.batch_exists(keys) == 3
+    with pytest.raises(StateError):  # the memory backend offers no raw access
+        await fb.corrupt_stored(keys[0])
+    await fb.aclose()
+    assert inner.state is BackendState.CLOSED
+
+
+async def test_from_url_builds_the_plan_and_opens_the_inner_backend() -> None:
+    from tiercache.storage.memory import MemoryBackend
+
+    fb = await FaultyBackend.from_url(
+        "faulty+memory://?capacity_pages=4&fault=error&fault_p=0.5&fault_ops=get,set"
+        "&fault_after_calls=1&fault_max=2&fault_error=BackendUnavailableError&fault_seed=9",
+    )
+    async with fb:
+        assert isinstance(fb.inner, MemoryBackend) and fb.inner.capacity_pages == 4
+        assert fb.plan == FaultPlan.of(
+            FaultSpec(
+                FaultKind.ERROR,
+                ops={"get", "set"},
+                probability=0.5,
+                after_calls=1,
+                max_faults=2,
+                error=BackendUnavailableError,
+            ),
+            seed=9,
+        )
+    assert fb.inner.state is BackendState.CLOSED
+    fb = await FaultyBackend.from_url(
+        "faulty+memory://", fault="latency", fault_delay="0.1,0.2", fault_enabled="0"
+    )
+    assert fb.plan.specs[0].delay == (0.1, 0.2) and not fb.enabled
+    await fb.aclose()
+    plan = FaultPlan.of(FaultSpec(FaultKind.HANG), seed=1)
+    fb = await FaultyBackend.from_url("faulty+memory://", plan=plan)
+    assert fb.plan is plan
+    await fb.aclose()
+
+
+@pytest.mark.parametrize(
+    ("url", "options"),
+    [
+        ("memory://", {"fault": "error"}),
+        ("faulty+", {"fault": "error"}),
+        ("faulty+memory://", {}),
+        ("faulty+memory://?fault=explode", {}),
+        ("faulty+memory://?fault=error&fault_bogus=1", {}),
+        ("faulty+memory://?fault=error&fault_error=KeyError", {}),
+        ("faulty+memory://?fault=error&fault_p=2", {}),
+        ("faulty+memory://?fault=error", {"plan": FaultPlan()}),
+        ("faulty+memory://", {"plan": "error"}),
+        ("faulty+memory://?fault=error&bogus=1", {}),  # the inner backend's own check
+    ],
+)
+async def test_from_url_rejects_bad_urls_and_options(url: str, options: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        await FaultyBackend.from_url(url, **options)
+
+
+async def test_registered_under_a_faulty_scheme() -> None:
+    from tiercache.storage.registry import open_backend, register_backend, unregister_backend
+
+    register_backend("faulty+memory", FaultyBackend)
+    try:
+        fb = await open_backend("faulty+memory://?fault=error&fault_ops=exists")
+        assert isinstance(fb, FaultyBackend)
+        with pytest.raises(StorageError):
+            await fb.batch_exists([key(0)])
+        await fb.aclose()
+    finally:
+        unregister_backend("faulty+memory")

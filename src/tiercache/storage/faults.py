@@ -41,9 +41,13 @@ Outside the plan, ``fail_all(True)`` makes every call raise
 `BackendUnavailableError` until ``fail_all(False)``: an outage and its
 recovery.
 
-Registry: a URL such as ``faulty+memory://`` can map to this wrapper by
-opening the inner URL (``memory://``) and calling `FaultyBackend.wrap` with a
-plan built from the options.
+By URL: `FaultyBackend.from_url` opens ``faulty+<inner URL>``, e.g.
+``faulty+memory://?fault=error&fault_p=0.1&fault_ops=get,set&fault_seed=7``:
+the ``fault*`` options (and a ``plan=FaultPlan(...)`` keyword) build the plan,
+every other option goes to the inner backend. Until the registry routes every
+``faulty+`` scheme here, register the schemes wanted::
+
+    register_backend("faulty+memory", FaultyBackend)
 """
 
 from __future__ import annotations
@@ -55,13 +59,14 @@ import random
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from tiercache.errors import (
     BackendUnavailableError,
     ConfigError,
     InvalidInputError,
     StateError,
+    StorageCorruptionError,
     StorageError,
     StorageTimeoutError,
 )
@@ -115,6 +120,9 @@ _SUPPORTED: dict[FaultKind, frozenset[str]] = {
     FaultKind.FLIP: frozenset({"get"}),
     FaultKind.TRUNCATE: frozenset({"get"}),
 }
+
+#: Deliveries of damaged pages larger than this copy in an executor, not on the loop.
+_OFFLOAD_BYTES = 1 << 20
 
 #: Kinds that end the call with an exception (or never end it).
 _RAISING = frozenset({FaultKind.ERROR, FaultKind.TIMEOUT, FaultKind.HANG})
@@ -390,6 +398,108 @@ class FaultyBackend(StorageBackend):
             raise BackendUnavailableError(f"cannot wrap the {inner.name} backend: it is closed")
         return cls(inner, plan, close_inner=close_inner, enabled=enabled)
 
+    @classmethod
+    async def from_url(cls, url: str, **options: Any) -> FaultyBackend:
+        """Open ``faulty+<inner URL>``: the inner backend, wrapped.
+
+        Plan options (query parameters or keywords): ``fault`` (a `FaultKind`
+        value; required unless ``plan`` is given), ``fault_p`` (probability),
+        ``fault_ops`` (comma-separated operations), ``fault_after_calls``,
+        ``fault_max`` (max faults), ``fault_delay`` (seconds, or ``"low,high"``),
+        ``fault_error`` (``StorageError``, ``BackendUnavailableError``,
+        ``StorageTimeoutError`` or ``StorageCorruptionError``), ``fault_partial``
+        (``prefix`` / ``random``), ``fault_seed``, ``fault_enabled``; or
+        ``plan=FaultPlan(...)`` as a keyword, alone. The other options go to
+        the inner backend's URL factory. The wrapper closes the inner backend.
+
+        Raises:
+            ConfigError: not a ``faulty+`` URL, unknown or bad fault options.
+            BackendNotFoundError: the inner URL names no backend.
+        """
+        from tiercache.storage.registry import (
+            open_backend,
+            option_bool,
+            option_float,
+            option_int,
+            url_options,
+        )
+
+        head, plus, inner_url = url.partition("+")
+        if head.lower() != cls.name or not plus or not inner_url:
+            raise ConfigError(f"a faulty backend URL is 'faulty+<inner URL>', got {url!r}")
+        inner_base, merged = url_options(inner_url, options)
+        fopts = {k: merged.pop(k) for k in list(merged) if k == "plan" or k.startswith("fault")}
+        known = {
+            "plan", "fault", "fault_p", "fault_ops", "fault_after_calls", "fault_max",
+            "fault_delay", "fault_error", "fault_partial", "fault_seed", "fault_enabled",
+        }  # fmt: skip
+        unknown = sorted(set(fopts) - known)
+        if unknown:
+            raise ConfigError(f"unknown fault option(s) {unknown} (known: {sorted(known)})")
+        enabled = option_bool("fault_enabled", fopts.pop("fault_enabled", True))
+        plan = fopts.pop("plan", None)
+        if plan is not None:
+            if fopts:
+                raise ConfigError(f"give either plan= or fault options, not both: {sorted(fopts)}")
+            if not isinstance(plan, FaultPlan):
+                raise ConfigError(f"plan must be a FaultPlan, got {type(plan).__name__}")
+        else:
+            if "fault" not in fopts:
+                raise ConfigError(f"{url!r}: say which fault to inject (fault=error, latency, ...)")
+            errors: dict[str, type[StorageError]] = {
+                c.__name__: c
+                for c in (
+                    StorageError,
+                    BackendUnavailableError,
+                    StorageTimeoutError,
+                    StorageCorruptionError,
+                )
+            }
+            spec_args: dict[str, Any] = {"kind": fopts["fault"]}
+            if "fault_p" in fopts:
+                spec_args["probability"] = option_float("fault_p", fopts["fault_p"], minimum=0.0)
+            if "fault_ops" in fopts:
+                ops = fopts["fault_ops"]
+                spec_args["ops"] = (
+                    [o.strip() for o in ops.split(",")] if isinstance(ops, str) else ops
+                )
+            if "fault_after_calls" in fopts:
+                spec_args["after_calls"] = option_int(
+                    "fault_after_calls", fopts["fault_after_calls"]
+                )
+            if "fault_max" in fopts:
+                spec_args["max_faults"] = option_int("fault_max", fopts["fault_max"])
+            if "fault_delay" in fopts:
+                delay = fopts["fault_delay"]
+                if isinstance(delay, str) and "," in delay:
+                    lo, _, hi = delay.partition(",")
+                    spec_args["delay"] = (
+                        option_float("fault_delay", lo),
+                        option_float("fault_delay", hi),
+                    )
+                elif isinstance(delay, tuple):
+                    spec_args["delay"] = delay
+                else:
+                    spec_args["delay"] = option_float("fault_delay", delay)
+            if "fault_error" in fopts:
+                err = fopts["fault_error"]
+                if isinstance(err, str):
+                    if err not in errors:
+                        raise ConfigError(
+                            f"fault_error must be one of {sorted(errors)}, got {err!r}"
+                        )
+                    err = errors[err]
+                spec_args["error"] = err
+            if "fault_partial" in fopts:
+                spec_args["partial"] = fopts["fault_partial"]
+            seed = fopts.get("fault_seed")
+            plan = FaultPlan(
+                (FaultSpec(**spec_args),),
+                seed=None if seed in (None, "") else option_int("fault_seed", seed),
+            )
+        inner = await open_backend(inner_base, **merged)
+        return cls(inner, plan, close_inner=True, enabled=enabled)
+
     # -- control ---------------------------------------------------------
 
     @property
@@ -482,9 +592,11 @@ class FaultyBackend(StorageBackend):
         if damage:
             assert d.rng is not None
             self._damage(d, damage, targets, got, idx)
-            for i, t, ok in zip(idx, targets, got, strict=True):
-                if ok:
-                    pages[i].write(t.segments[0])
+            copies = [(t, pages[i]) for i, t, ok in zip(idx, targets, got, strict=True) if ok]
+            if sum(t.nbytes for t, _ in copies) > _OFFLOAD_BYTES:
+                await _finish(asyncio.get_running_loop().run_in_executor(None, _deliver, copies))
+            else:
+                _deliver(copies)
         out = [False] * len(keys)
         for i, ok in zip(idx, got, strict=True):
             out[i] = ok
@@ -786,3 +898,26 @@ class FaultyBackend(StorageBackend):
                     details.append(f"page {labels[i]}: cut to {keep} of {size} bytes")
             self._pages_damaged += n
             self._record(st, d, "; ".join(details))
+
+
+def _deliver(copies: list[tuple[PageBuffer, PageBuffer]]) -> None:
+    """Copy scratch pages into the caller's pages (any thread)."""
+    for src, dst in copies:
+        dst.write(src.segments[0])
+
+
+async def _finish(fut: asyncio.Future[None]) -> None:
+    """Await an executor copy; if cancelled, still wait for it to end, then re-raise.
+
+    The copy writes into the caller's pages, so it must be over before the
+    caller regains control and perhaps reuses them.
+    """
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            try:
+                await asyncio.wait([fut])
+            except asyncio.CancelledError:
+                continue
+        raise
