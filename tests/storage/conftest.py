@@ -1,4 +1,4 @@
-"""Backends under test and page helpers shared by the storage tests.
+"""Backends under test.
 
 `BACKEND_FACTORIES` is the list of backends the conformance suite runs over:
 one async factory per backend, taking the test's ``tmp_path``. Adding a
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tiercache.storage import StorageBackend
+from tiercache.storage.file import FileBackend
 from tiercache.storage.memory import MemoryBackend
 
 BackendFactory = Callable[[Path], Awaitable[StorageBackend]]
@@ -22,8 +23,13 @@ async def _memory(tmp_path: Path) -> StorageBackend:
     return MemoryBackend()
 
 
+async def _file(tmp_path: Path) -> StorageBackend:
+    return await FileBackend.open(tmp_path / "store")
+
+
 BACKEND_FACTORIES: dict[str, BackendFactory] = {
     "memory": _memory,
+    "file": _file,
 }
 
 

@@ -1,0 +1,680 @@
+"""`FileBackend`: one file per page in a sharded directory tree.
+
+Layout on disk::
+
+    root/
+      3f/9a/<key>.page        a page: format.py header + payload
+      3f/9a/.<key>.<pid>.<random>.tmp
+                              a write in progress (or left by a crash)
+
+The two shard levels are the first four hex digits of the page-hash part of
+the key (the part after the last ``-``), so 65,536 directories share the pages
+evenly and no directory holds millions of files. Keys pass `validate_key`
+first, so a key can never name a path outside its shard.
+
+**Atomic writes.** A page is written to a unique temporary file in its final
+directory (optionally fsynced), then published with ``os.link(tmp, final)``,
+which fails if ``final`` exists: of two writers racing on one key (threads or
+processes), exactly one publishes and the other sees ``FileExistsError`` and
+reports the key as stored. The key's first value is never replaced, and a
+crash never leaves a torn file under a real name: a reader sees either no file
+or a complete one. Where the filesystem refuses hard links, ``os.replace`` is
+the fallback; there the race is last-writer-wins, harmless because two
+writers of one key store the same tokens' KV. An existence check before
+writing skips the work for pages already stored. Leftover temporary files are
+never read as pages; opening the backend removes those older than ten minutes.
+
+**Reads are checked before they land.** A file is read with ``readv`` into a
+pooled scratch buffer (no allocation per page), its header and CRC-32 are
+verified by `unpack_page`, and only then is the payload copied into the
+target page: one extra memcpy per page (about 0.1 ms per MiB), the price of
+never writing unchecked bytes into the host pool. A truncated, corrupt,
+format-mismatched or swapped file (header key differs from the key asked) is
+a miss, logged as a warning, counted in ``stats.corrupt_pages`` and removed.
+Writes are zero-copy: the header and the page's segments go to one
+``writev`` with no join.
+
+**Threads.** Each page's blocking work (open, read/write, fsync, link,
+unlink) runs as one job on the backend's own thread pool
+(``max_concurrency`` threads named ``tiercache-file``), so a page costs one
+executor hop rather than one per system call as with an aiofiles call per
+step, and a job that has started always finishes whole, which is what makes
+cancellation safe: a cancelled ``batch_get`` or ``batch_set`` cancels the
+pages not yet started and returns only once the started ones are done, so no
+thread touches the caller's pages after it regains control.
+
+**The index.** The backend keeps, on the event loop thread, an ``OrderedDict``
+of key to file size in least-recently-used order: the scan at open fills it
+from the tree (ordered by file mtime, so LRU survives a restart), writes,
+reads and ``batch_exists`` keep it current. It is a positive cache:
+``batch_exists`` counts indexed keys without IO and stats the first key it
+does not know (which adopts pages written by another process); a page deleted
+by another process stays in the index until a read misses it, and a miss in
+``batch_get`` is the truth. With ``capacity_bytes`` it is also the accounting:
+a write reserves its size first and evicts least-recently-used files until
+the total fits, so the tree stays under the bound even with writes in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import hashlib
+import logging
+import os
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self, TypeVar
+from urllib.parse import unquote, urlsplit
+
+from tiercache.errors import ConfigError, StorageCorruptionError, StorageError
+from tiercache.storage.base import BackendState, BackendStats, PageBuffer, PageKey, StorageBackend
+from tiercache.storage.format import HEADER_FIXED, pack_page, unpack_page
+from tiercache.storage.memory import check_batch
+from tiercache.storage.registry import option_bool, option_int, reject_unknown, url_options
+
+__all__ = ["FileBackend"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+_SUFFIX = ".page"
+_TMP_SUFFIX = ".tmp"
+#: A temporary file older than this is a crash leftover, removed on open.
+_STALE_TMP_S = 600.0
+#: writev takes at most IOV_MAX (1024 on Linux) buffers a call.
+_IOV_CHUNK = 512
+_HEX = frozenset("0123456789abcdef")
+_NO_LINK_ERRNOS = {
+    errno.EPERM,
+    errno.EOPNOTSUPP,
+    errno.ENOTSUP,
+    errno.EXDEV,
+    errno.EMLINK,
+    errno.ENOSYS,
+}
+_OPTIONS = frozenset(
+    {"capacity_bytes", "fsync", "max_concurrency", "scan", "dir_mode", "file_mode"}
+)
+
+
+def shard_dirs(key: str) -> tuple[str, str]:
+    """The two shard directory names of a key: from its page-hash part, else a hash of it."""
+    tail = key.rpartition("-")[2]
+    if len(tail) < 4 or not _HEX.issuperset(tail[:4]):
+        tail = hashlib.sha256(key.encode()).hexdigest()
+    return tail[:2], tail[2:4]
+
+
+def _stored_size(key: str, page: PageBuffer) -> int:
+    return HEADER_FIXED + len(page.format.encode()) + len(key.encode()) + page.nbytes
+
+
+def _octal(name: str, value: Any) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value.removeprefix("0o"), 8)
+        except ValueError as e:
+            raise ConfigError(
+                f"option {name} must be an octal mode like 0o700, got {value!r}"
+            ) from e
+    mode = option_int(name, value, minimum=0)
+    if mode > 0o777:
+        raise ConfigError(f"option {name} must be a permission mode <= 0o777, got {oct(mode)}")
+    return mode
+
+
+@dataclass(slots=True)
+class _Result:
+    """What one page job reports back to the loop."""
+
+    status: str  # "hit", "miss", "corrupt", "error", "written", "exists"
+    size: int = 0
+    detail: str = ""
+
+
+class FileBackend(StorageBackend):
+    """Pages as files under ``root`` (see the module docstring for the design).
+
+    Args:
+        root: directory of the store; created (mode ``dir_mode``) when missing.
+        capacity_bytes: the most bytes of page files kept (``None``: unbounded);
+            needs ``scan``.
+        fsync: fsync each page file and its directory before publishing it
+            (durable across power loss; much slower).
+        max_concurrency: page jobs run at once (threads of this backend).
+        scan: index the existing tree and remove stale temporary files when
+            the backend starts.
+        dir_mode, file_mode: permissions of created directories and files
+            (private by default).
+
+    Raises:
+        ConfigError: bad options.
+
+    Construct and use it from one event loop. `open` (or ``from_url``)
+    constructs and starts it; a backend constructed directly starts on its
+    first call.
+    """
+
+    name = "file"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        capacity_bytes: int | None = None,
+        fsync: bool = False,
+        max_concurrency: int = 16,
+        scan: bool = True,
+        dir_mode: int = 0o700,
+        file_mode: int = 0o600,
+    ) -> None:
+        super().__init__()
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+            raise ConfigError(f"root must be a directory path, got {root!r}")
+        self.root = Path(root)
+        self.capacity_bytes = (
+            None
+            if capacity_bytes is None
+            else option_int("capacity_bytes", capacity_bytes, minimum=1)
+        )
+        self.fsync = option_bool("fsync", fsync)
+        self.max_concurrency = option_int("max_concurrency", max_concurrency, minimum=1)
+        self.scan = option_bool("scan", scan)
+        self.dir_mode = _octal("dir_mode", dir_mode)
+        self.file_mode = _octal("file_mode", file_mode)
+        if self.capacity_bytes is not None and not self.scan:
+            raise ConfigError(
+                "capacity_bytes needs scan=True: the bound counts the pages already on disk"
+            )
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            self.max_concurrency, thread_name_prefix="tiercache-file"
+        )
+        self._index: OrderedDict[str, int] = OrderedDict()
+        self._used = 0
+        self._started = False
+        self._start_lock = asyncio.Lock()
+        self._scratch: list[bytearray] = []
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, root: str | os.PathLike[str], **options: Any) -> Self:
+        """Construct and start a backend (creates ``root``, scans the tree).
+
+        Raises:
+            ConfigError: bad options.
+            StorageError: ``root`` cannot be created or read.
+        """
+        backend = cls(root, **options)
+        try:
+            await backend.start()
+        except BaseException:
+            await backend.aclose()
+            raise
+        return backend
+
+    @classmethod
+    async def from_url(cls, url: str, **options: Any) -> Self:
+        """Open ``file:///abs/path`` or ``file:relative/path``; query parameters are options.
+
+        Raises:
+            ConfigError: a URL with a remote host or no path, or bad options.
+        """
+        base, opts = url_options(url, options)
+        parts = urlsplit(base)
+        if parts.scheme != "file":
+            raise ConfigError(f"not a file URL: {url!r}")
+        if parts.netloc not in ("", "localhost"):
+            raise ConfigError(
+                f"file URL {url!r} names host {parts.netloc!r}: use file:///abs/path or file:relative/path"
+            )
+        path = unquote(parts.path)
+        if not path:
+            raise ConfigError(f"file URL {url!r} has no path")
+        reject_unknown(cls.name, opts, _OPTIONS)
+        if opts.get("capacity_bytes") in ("", None):
+            opts.pop("capacity_bytes", None)
+        return await cls.open(path, **opts)
+
+    async def start(self) -> None:
+        """Create the root and (with ``scan``) index the tree. Idempotent.
+
+        Raises:
+            StorageError: the root cannot be created or read.
+        """
+        self._check_open()
+        if self._started:
+            return
+        async with self._start_lock:
+            if self._started:
+                return
+            loop = asyncio.get_running_loop()
+            try:
+                found, removed = await loop.run_in_executor(self._pool, self._scan_job)
+            except OSError as e:
+                raise StorageError(f"file backend: cannot open {self.root}: {e}") from e
+            for key, size in found:
+                self._index[key] = size
+                self._used += size
+            self._started = True
+            logger.debug(
+                "file backend %s: %d pages, %d bytes, %d stale temporary files removed",
+                self.root, len(found), self._used, removed,
+            )  # fmt: skip
+            if self.capacity_bytes is not None and self._used > self.capacity_bytes:
+                await self._run([self._evict_job(self._pick_victims(0))])
+
+    async def aclose(self) -> None:
+        """Close: no new calls, wait for the threads to finish. Idempotent."""
+        if self.state is BackendState.CLOSED:
+            return
+        self.state = BackendState.CLOSED
+        self._index.clear()
+        self._scratch.clear()
+        await _uncancelled(
+            asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        )
+
+    # --- the backend interface ---------------------------------------------------------------
+
+    async def batch_exists(self, keys: Sequence[PageKey]) -> int:
+        ks = check_batch(keys)
+        await self._ready()
+        self._stats.exists_calls += 1
+        n = 0
+        while n < len(ks) and ks[n] in self._index:
+            n += 1
+        if n == len(ks):
+            return n
+        try:
+            (found,) = await self._run([lambda: self._exists_job(ks[n:])])
+        except OSError as e:
+            self._stats.errors += 1
+            raise StorageError(f"file backend: cannot check {self.root}: {e}") from e
+        for k, size in found:
+            self._adopt(k, size)
+        return n + len(found)
+
+    async def batch_get(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
+        ks = check_batch(keys, pages)
+        await self._ready()
+        results = await self._run([self._read_fn(k, p) for k, p in zip(ks, pages, strict=True)])
+        self._check_open()
+        out: list[bool] = []
+        for k, r in zip(ks, results, strict=True):
+            if r.status == "hit":
+                self._adopt(k, r.size)
+                self._index.move_to_end(k)
+                self._stats.get_hits += 1
+                self._stats.bytes_read += r.size
+                out.append(True)
+                continue
+            self._forget(k)
+            if r.status == "corrupt":
+                self._stats.corrupt_pages += 1
+                logger.warning(
+                    "file backend %s: page %s failed its checks and was removed: %s",
+                    self.root,
+                    k,
+                    r.detail,
+                )
+            elif r.status == "error":
+                self._stats.errors += 1
+                logger.warning("file backend %s: cannot read page %s: %s", self.root, k, r.detail)
+            out.append(False)
+        self._stats.get_pages += len(ks)
+        return out
+
+    async def batch_set(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
+        ks = check_batch(keys, pages)
+        await self._ready()
+        out = [False] * len(ks)
+        jobs: list[Callable[[], _Result]] = []
+        todo: list[tuple[int, int]] = []  # (position, reserved bytes)
+        victims: list[str] = []
+        seen: set[str] = set()
+        for i, (k, page) in enumerate(zip(ks, pages, strict=True)):
+            if k in self._index or k in seen:
+                out[i] = True  # first writer wins
+                continue
+            size = _stored_size(k, page)
+            if self.capacity_bytes is not None:
+                if size > self.capacity_bytes:
+                    logger.debug("file backend: page %s (%d bytes) exceeds the capacity", k, size)
+                    continue
+                self._used += size
+                victims += self._pick_victims(0)
+            seen.add(k)
+            todo.append((i, size))
+            jobs.append(self._write_fn(k, page))
+        if victims:
+            jobs.insert(0, self._evict_job(victims))
+        try:
+            results = await self._run(jobs)
+        except BaseException:
+            if self.capacity_bytes is not None:
+                self._used -= sum(size for _, size in todo)
+            raise
+        if victims:
+            results = results[1:]
+        written = 0
+        for (i, reserved), r in zip(todo, results, strict=True):
+            k = ks[i]
+            if self.capacity_bytes is not None:
+                self._used -= reserved
+            if r.status in ("written", "exists"):
+                out[i] = True
+                self._adopt(k, r.size or reserved)
+                if r.status == "written":
+                    written += 1
+                    self._stats.bytes_written += r.size
+            else:
+                self._stats.errors += 1
+                logger.warning("file backend %s: cannot write page %s: %s", self.root, k, r.detail)
+        self._stats.set_pages += len(ks)
+        self._stats.set_written += written
+        return out
+
+    async def delete(self, keys: Sequence[PageKey]) -> int:
+        ks = check_batch(keys)
+        await self._ready()
+        for k in ks:
+            self._forget(k)
+        (n,) = await self._run(
+            [lambda: sum(self._unlink(self._path(k)) for k in dict.fromkeys(ks))]
+        )
+        return n
+
+    async def clear(self) -> None:
+        await self._ready()
+        self._index.clear()
+        self._used = 0
+        try:
+            await self._run([self._clear_job])
+        except OSError as e:
+            self._stats.errors += 1
+            raise StorageError(f"file backend: cannot clear {self.root}: {e}") from e
+
+    async def stats(self) -> BackendStats:
+        s = await super().stats()
+        s.extra.update(pages=len(self._index), bytes=self._used)
+        return s
+
+    def __repr__(self) -> str:
+        return (
+            f"FileBackend({str(self.root)!r}, pages={len(self._index)}, bytes={self._used}, "
+            f"capacity_bytes={self.capacity_bytes}, state={self.state.value})"
+        )
+
+    # --- loop-side helpers -------------------------------------------------------------------
+
+    async def _ready(self) -> None:
+        self._check_open()
+        if not self._started:
+            await self.start()
+
+    def _path(self, key: str) -> Path:
+        a, b = shard_dirs(key)
+        return self.root / a / b / (key + _SUFFIX)
+
+    def _adopt(self, key: str, size: int) -> None:
+        if key not in self._index:
+            self._index[key] = size
+            self._used += size
+
+    def _forget(self, key: str) -> None:
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._used -= size
+
+    def _pick_victims(self, incoming: int) -> list[str]:
+        """Drop least-recently-used keys from the index until ``incoming`` more bytes fit."""
+        assert self.capacity_bytes is not None
+        victims: list[str] = []
+        while self._index and self._used + incoming > self.capacity_bytes:
+            k, size = self._index.popitem(last=False)
+            self._used -= size
+            self._stats.evictions += 1
+            victims.append(k)
+        return victims
+
+    async def _run(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
+        """Run blocking jobs on the backend's threads; all or none, even when cancelled.
+
+        If the calling task is cancelled, jobs not yet started are cancelled
+        and those running are waited for before `CancelledError` propagates.
+        """
+        if not jobs:
+            return []
+        cfs = [self._pool.submit(job) for job in jobs]
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(cf) for cf in cfs)))
+        except asyncio.CancelledError:
+            for cf in cfs:
+                cf.cancel()
+            running = [cf for cf in cfs if not cf.done()]
+            if running:
+                await _uncancelled(
+                    asyncio.get_running_loop().run_in_executor(
+                        None, concurrent.futures.wait, running
+                    )
+                )
+            raise
+
+    def _read_fn(self, key: str, page: PageBuffer) -> Callable[[], _Result]:
+        return lambda: self._read_job(key, page)
+
+    def _write_fn(self, key: str, page: PageBuffer) -> Callable[[], _Result]:
+        return lambda: self._write_job(key, page)
+
+    def _evict_job(self, victims: list[str]) -> Callable[[], Any]:
+        paths = [self._path(k) for k in victims]
+        return lambda: [self._unlink(p) for p in paths]
+
+    # --- jobs: run on the backend's threads, never touch loop state -------------------------
+
+    def _take_scratch(self, n: int) -> bytearray:
+        try:
+            buf = self._scratch.pop()
+        except IndexError:
+            return bytearray(n)
+        return buf if len(buf) >= n else bytearray(n)
+
+    def _give_scratch(self, buf: bytearray) -> None:
+        if len(self._scratch) < self.max_concurrency:
+            self._scratch.append(buf)
+
+    def _read_job(self, key: str, page: PageBuffer) -> _Result:
+        path = self._path(key)
+        need = _stored_size(key, page)
+        buf = self._take_scratch(need + 1)
+        try:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except (FileNotFoundError, NotADirectoryError):
+                return _Result("miss")
+            view = memoryview(buf)[: need + 1]
+            n = 0
+            try:
+                while n < len(view):  # one more byte than expected: detects a longer file
+                    got = os.readv(fd, [view[n:]])
+                    if got == 0:
+                        break
+                    n += got
+            finally:
+                os.close(fd)
+            try:
+                unpack_page(key, view[:n], page)
+            except StorageCorruptionError as e:
+                self._unlink(path)
+                return _Result("corrupt", detail=str(e))
+            return _Result("hit", n)
+        except OSError as e:
+            return _Result("error", detail=f"{type(e).__name__}: {e}")
+        finally:
+            self._give_scratch(buf)
+
+    def _mkdirs(self, directory: Path) -> None:
+        for d in (self.root, directory.parent, directory):
+            try:
+                os.mkdir(d, self.dir_mode)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                os.makedirs(d.parent, exist_ok=True)
+                os.makedirs(d, self.dir_mode, exist_ok=True)
+
+    def _write_job(self, key: str, page: PageBuffer) -> _Result:
+        path = self._path(key)
+        if os.path.exists(path):
+            return _Result("exists")
+        parts = pack_page(key, page)
+        size = sum(memoryview(p).nbytes for p in parts)
+        tmp = path.parent / f".{key}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            try:
+                fd = os.open(tmp, flags, self.file_mode)
+            except FileNotFoundError:
+                self._mkdirs(path.parent)
+                fd = os.open(tmp, flags, self.file_mode)
+            try:
+                try:
+                    _writev_all(fd, parts)
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    return _Result("exists", size)
+                except OSError as e:
+                    if e.errno not in _NO_LINK_ERRNOS:
+                        raise
+                    os.replace(tmp, path)
+                if self.fsync:
+                    _fsync_dir(path.parent)
+                return _Result("written", size)
+            finally:
+                self._unlink(tmp)
+        except OSError as e:
+            return _Result("error", detail=f"{type(e).__name__}: {e}")
+
+    def _exists_job(self, keys: Sequence[str]) -> list[tuple[str, int]]:
+        found: list[tuple[str, int]] = []
+        for k in keys:
+            try:
+                found.append((k, os.stat(self._path(k)).st_size))
+            except (FileNotFoundError, NotADirectoryError):
+                break
+        return found
+
+    @staticmethod
+    def _unlink(path: Path) -> bool:
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _shards(self) -> list[Path]:
+        out: list[Path] = []
+        for a in _list_dirs(self.root):
+            out += [Path(a.path, b.name) for b in _list_dirs(Path(a.path))]
+        return out
+
+    def _scan_job(self) -> tuple[list[tuple[str, int]], int]:
+        """Index ``*.page`` files oldest first; remove stale temporary files."""
+        if not self.root.exists():
+            os.makedirs(self.root.parent, exist_ok=True)
+            try:
+                os.mkdir(self.root, self.dir_mode)
+            except FileExistsError:
+                pass
+        if not self.scan:
+            return [], 0
+        pages: list[tuple[float, str, int]] = []
+        removed = 0
+        stale_before = time.time() - _STALE_TMP_S
+        for shard in self._shards():
+            with os.scandir(shard) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if e.name.startswith(".") and e.name.endswith(_TMP_SUFFIX):
+                        if st.st_mtime < stale_before:
+                            removed += self._unlink(Path(e.path))
+                    elif e.name.endswith(_SUFFIX) and e.is_file(follow_symlinks=False):
+                        pages.append((st.st_mtime, e.name[: -len(_SUFFIX)], st.st_size))
+        pages.sort()
+        return [(k, size) for _, k, size in pages], removed
+
+    def _clear_job(self) -> None:
+        for shard in self._shards():
+            with os.scandir(shard) as it:
+                names = [e.path for e in it if e.name.endswith((_SUFFIX, _TMP_SUFFIX))]
+            for p in names:
+                self._unlink(Path(p))
+            for d in (shard, shard.parent):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass  # not empty: something else lives there
+
+
+def _list_dirs(path: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            return [
+                e
+                for e in it
+                if len(e.name) == 2 and _HEX.issuperset(e.name) and e.is_dir(follow_symlinks=False)
+            ]
+    except FileNotFoundError:
+        return []
+
+
+def _writev_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
+    """Write every part, in order, with as few ``writev`` calls as the kernel allows."""
+    bufs = [memoryview(p).cast("B") for p in parts]
+    while bufs:
+        n = os.writev(fd, bufs[:_IOV_CHUNK])
+        while bufs and n >= bufs[0].nbytes:
+            n -= bufs[0].nbytes
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def _uncancelled(fut: asyncio.Future[_T]) -> _T:
+    """Await ``fut`` to its end even if the caller is cancelled meanwhile; then re-raise."""
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(fut)
+            break
+        except asyncio.CancelledError:
+            if fut.cancelled():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
