@@ -503,3 +503,18 @@ async def test_cluster_mode() -> None:
             assert await backend.batch_exists(keys[5:]) == 0
     finally:
         await asyncio.to_thread(server.close)
+
+
+async def test_open_backend_opens_redis_urls(redis_server: RedisServer) -> None:
+    from tiercache.storage.registry import open_backend
+
+    prefix = unique_prefix("reg")
+    for url in (redis_server.url, f"{redis_server.unix_url}&ttl_seconds=30"):
+        backend = await open_backend(url, prefix=prefix, timeout=2)
+        async with backend:
+            assert isinstance(backend, RedisBackend) and backend.prefix == prefix
+            await backend.batch_set([key(1)], [page(1)])
+            assert await backend.batch_exists([key(1)]) == 1
+            await backend.clear()
+    with pytest.raises(ConfigError):
+        await open_backend(redis_server.url, bogus=1)

@@ -138,6 +138,8 @@ def _secrets_of(url: str) -> tuple[str, ...]:
 def _as_bool(name: str, value: object) -> bool:
     if isinstance(value, bool):
         return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
     if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
         return value.lower() in _TRUE
     raise ConfigError(f"redis option {name} must be a boolean, got {value!r}")

@@ -1,0 +1,222 @@
+"""RedisBackend throughput as a ratio to raw redis-py SET/GET of the same bytes.
+
+Starts its own ``redis-server`` on loopback (no persistence) and moves 64-token
+pages of one tensor-parallel shard of a Llama-3-8B-like model: 32 layers, one
+KV head of 128 dims per rank (TP=8), fp16, K and V -> 64 x 2 x 32 x 128 x 2 B
+= 1 MiB a page, held as two segments (K, V) as a ``page_first`` host pool
+hands them out. Quick mode uses 8 layers (256 KiB pages) and fewer batches.
+
+For each direction it times, in the same run and with the same client class,
+batch size and pipelining (one non-transactional pipeline per batch):
+
+- ``backend``: ``RedisBackend.batch_set`` / ``batch_get`` (header + CRC-32,
+  one join per page on write; verify + copy into the page buffers on read);
+- ``raw``: ``SET key value NX`` / ``GET`` of ready-made ``bytes`` values of
+  the same size (no header, no checksum, no copy into a page).
+
+The result is ``backend / raw`` throughput per direction (1.0 = no overhead),
+best of ``repeats`` interleaved runs. Written to ``benchmarks/results/redis.json``
+(and ``redis.png`` when matplotlib imports).
+
+    python benchmarks/bench_redis.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from tests.redis_server import RedisServer, redis_server_binary  # noqa: E402
+
+from tiercache.storage import PageBuffer, PageKey  # noqa: E402
+from tiercache.storage.redis import OFFLOAD_BYTES, RedisBackend  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _page_bytes(
+    layers: int, tokens: int = 64, heads: int = 1, head_dim: int = 128, itemsize: int = 2
+) -> int:
+    return 2 * layers * tokens * heads * head_dim * itemsize
+
+
+def _machine() -> dict[str, Any]:
+    binary = redis_server_binary() or ""
+    try:
+        server = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except OSError:
+        server = "unknown"
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "redis_py": redis.__version__,
+        "redis_server": server,
+    }
+
+
+async def _run(
+    server: RedisServer, *, page_bytes: int, batch: int, batches: int, repeats: int
+) -> dict[str, Any]:
+    half = page_bytes // 2
+    fmt = f"bench:mha:P64:{page_bytes}B:page_first"
+    pages = [
+        PageBuffer.from_segments(
+            [
+                memoryview(bytearray(os.urandom(half))),
+                memoryview(bytearray(os.urandom(page_bytes - half))),
+            ],
+            fmt,
+        )
+        for _ in range(batch)
+    ]
+    targets = [PageBuffer.allocate(page_bytes, fmt) for _ in range(batch)]
+    values = [p.tobytes() for p in pages]
+    total = page_bytes * batch * batches
+
+    backend = await RedisBackend.from_url(
+        server.url, prefix="bench:tc:", timeout=30, max_connections=4
+    )
+    raw = aioredis.Redis.from_url(server.url, socket_timeout=30)
+    best: dict[str, float] = {}
+
+    def keys(run: str, b: int) -> list[str]:
+        return [f"{run}-{b:05d}-{i:03d}" for i in range(batch)]
+
+    async def timed(name: str, coro_factory: Any) -> None:
+        t0 = time.perf_counter()
+        for b in range(batches):
+            await coro_factory(b)
+        rate = total / (time.perf_counter() - t0)
+        best[name] = max(best.get(name, 0.0), rate)
+
+    async def raw_set(b: int) -> None:
+        async with raw.pipeline(transaction=False) as pipe:
+            for k, v in zip(keys("raw", b), values, strict=True):
+                pipe.set("bench:raw:" + k, v, nx=True)
+            await pipe.execute()
+
+    async def raw_get(b: int) -> None:
+        async with raw.pipeline(transaction=False) as pipe:
+            for k in keys("raw", b):
+                pipe.get("bench:raw:" + k)
+            out = await pipe.execute()
+        assert all(len(v) == page_bytes for v in out)
+
+    async def tc_set(b: int) -> None:
+        ok = await backend.batch_set([PageKey(k) for k in keys("tc", b)], pages)
+        assert all(ok)
+
+    async def tc_get(b: int) -> None:
+        ok = await backend.batch_get([PageKey(k) for k in keys("tc", b)], targets)
+        assert all(ok)
+
+    try:
+        await raw.ping()
+        for _ in range(repeats):
+            await raw.flushdb()  # the benchmark's own server
+            await timed("raw_write", raw_set)
+            await timed("backend_write", tc_set)
+            await timed("raw_read", raw_get)
+            await timed("backend_read", tc_get)
+        assert targets[-1].tobytes() == pages[-1].tobytes()
+        await raw.flushdb()
+    finally:
+        await backend.aclose()
+        await raw.aclose()
+    return {
+        "throughput_MiB_s": {k: round(v / MiB, 1) for k, v in best.items()},
+        "write_ratio": round(best["backend_write"] / best["raw_write"], 3),
+        "read_ratio": round(best["backend_read"] / best["raw_read"], 3),
+    }
+
+
+def _plot(result: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    tp = result["throughput_MiB_s"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = [0, 1]
+    ax.bar(
+        [x - 0.2 for x in xs], [tp["raw_write"], tp["raw_read"]], 0.4, label="raw redis-py SET/GET"
+    )
+    ax.bar(
+        [x + 0.2 for x in xs], [tp["backend_write"], tp["backend_read"]], 0.4, label="RedisBackend"
+    )
+    ax.set_xticks(xs, [f"write (x{result['write_ratio']})", f"read (x{result['read_ratio']})"])
+    ax.set_ylabel("MiB/s")
+    p = result["config"]
+    ax.set_title(f"Redis tier, {p['page_bytes'] // 1024} KiB pages, {p['batch']} per batch")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main(quick: bool = False, out_dir: Path = Path("benchmarks/results")) -> dict[str, Any]:
+    """Run the benchmark, write ``redis.json`` (and ``redis.png``) to ``out_dir``, return the result.
+
+    Raises:
+        RuntimeError: ``redis-server`` is not installed.
+    """
+    binary = redis_server_binary()
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    if quick:
+        config = {"page_bytes": _page_bytes(layers=8), "batch": 8, "batches": 32, "repeats": 5}
+    else:
+        config = {"page_bytes": _page_bytes(layers=32), "batch": 8, "batches": 16, "repeats": 5}
+    started = time.perf_counter()
+    with RedisServer(binary) as server:
+        result = asyncio.run(_run(server, **config))
+    result = {
+        "benchmark": "redis",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "quick": quick,
+        "config": {
+            **config,
+            "tokens_per_page": 64,
+            "layout": "Llama-3-8B TP=8 shard: L32 (quick: L8) x 1 KV head x 128 dims, fp16, K+V, page_first",
+            "offload_bytes": OFFLOAD_BYTES,
+        },
+        **result,
+        "wall_s": round(time.perf_counter() - started, 2),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "redis.json").write_text(json.dumps(result, indent=2) + "\n")
+    result["plot"] = str(out_dir / "redis.png") if _plot(result, out_dir / "redis.png") else None
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small pages and few batches (< 15 s)")
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    print(json.dumps(main(quick=args.quick, out_dir=args.out_dir), indent=2))
