@@ -805,3 +805,34 @@ async def test_registered_under_a_faulty_scheme() -> None:
         await fb.aclose()
     finally:
         unregister_backend("faulty+memory")
+
+
+async def test_max_faults_holds_under_concurrent_calls() -> None:
+    fb, inner = make(
+        FaultSpec(FaultKind.LATENCY),  # every call suspends between drawing and shaping
+        FaultSpec(FaultKind.PARTIAL, ops={"get"}, keep_pages=0, max_faults=2),
+        sleep=RecordingSleep(),
+    )
+    keys = await fill(inner, 2)
+    results = await asyncio.gather(
+        *(fb.batch_get(keys, [sentinel(), sentinel()]) for _ in range(6))
+    )
+    assert sorted(results) == [[False, False]] * 2 + [[True, True]] * 4
+    assert fb.injected["partial"] == 2
+
+
+async def test_a_fault_the_inner_failure_preempted_is_not_spent() -> None:
+    inner = DictBackend()
+    flaky = FaultyBackend(
+        inner, FaultPlan.of(FaultSpec(FaultKind.ERROR, ops={"get"}, max_faults=1))
+    )
+    fb = FaultyBackend(flaky, FaultPlan.of(FaultSpec(FaultKind.FLIP, max_faults=1), seed=0))
+    keys = await fill(inner, 1)
+    with pytest.raises(StorageError):
+        await fb.batch_get(keys, [sentinel()])
+    buf = sentinel()
+    assert await fb.batch_get(keys, [buf]) == [True]
+    assert buf.tobytes() != payload(0)  # the flip was kept for the next call
+    assert fb.injected["flip"] == 1 and flaky.injected["error"] == 1
+    await fb.aclose()
+    assert inner.state is BackendState.CLOSED  # closing closes the whole stack

@@ -59,7 +59,7 @@ import random
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from tiercache.errors import (
     BackendUnavailableError,
@@ -85,6 +85,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: The operations a fault can target, by name.
 OPERATIONS: frozenset[str] = frozenset({"exists", "get", "set", "delete", "clear"})
@@ -556,14 +558,16 @@ class FaultyBackend(StorageBackend):
 
     async def batch_exists(self, keys: Sequence[PageKey]) -> int:
         d = await self._before("exists")
-        n = await self.inner.batch_exists(keys)
+        n = await self._forward(d, d.shaping, self.inner.batch_exists(keys))
         for st in d.shaping:
             assert d.rng is not None
-            if n > 0:
-                kept = self._prefix_len(st.spec, n, d.rng)
-                self._record(st, d, f"reported {kept} of {n}")
-                self._pages_dropped += n - kept
-                n = kept
+            if n == 0:
+                st.faults -= 1
+                continue
+            kept = self._prefix_len(st.spec, n, d.rng)
+            self._record(st, d, f"reported {kept} of {n}")
+            self._pages_dropped += n - kept
+            n = kept
         await self._after(d)
         return n
 
@@ -576,11 +580,13 @@ class FaultyBackend(StorageBackend):
         idx = list(range(len(keys)))
         for st in partial:
             assert d.rng is not None
-            if idx:
-                kept = self._subset(st.spec, len(idx), d.rng)
-                self._record(st, d, f"kept {len(kept)} of {len(idx)} pages")
-                self._pages_dropped += len(idx) - len(kept)
-                idx = [idx[i] for i in kept]
+            if not idx:
+                st.faults -= 1
+                continue
+            kept = self._subset(st.spec, len(idx), d.rng)
+            self._record(st, d, f"kept {len(kept)} of {len(idx)} pages")
+            self._pages_dropped += len(idx) - len(kept)
+            idx = [idx[i] for i in kept]
         sub_keys = [keys[i] for i in idx]
         if damage:
             # Read into scratch buffers so damaged bytes reach the caller only
@@ -588,7 +594,7 @@ class FaultyBackend(StorageBackend):
             targets = [PageBuffer.allocate(pages[i].nbytes, pages[i].format) for i in idx]
         else:
             targets = [pages[i] for i in idx]
-        got = await self.inner.batch_get(sub_keys, targets) if idx else []
+        got = await self._forward(d, damage, self.inner.batch_get(sub_keys, targets)) if idx else []
         if damage:
             assert d.rng is not None
             self._damage(d, damage, targets, got, idx)
@@ -610,17 +616,21 @@ class FaultyBackend(StorageBackend):
         idx = list(range(len(keys)))
         for st in d.shaping:
             assert d.rng is not None
-            if idx:
-                kept = self._subset(st.spec, len(idx), d.rng)
-                self._record(st, d, f"wrote {len(kept)} of {len(idx)} pages")
-                self._pages_dropped += len(idx) - len(kept)
-                idx = [idx[i] for i in kept]
+            if not idx:
+                st.faults -= 1
+                continue
+            kept = self._subset(st.spec, len(idx), d.rng)
+            self._record(st, d, f"wrote {len(kept)} of {len(idx)} pages")
+            self._pages_dropped += len(idx) - len(kept)
+            idx = [idx[i] for i in kept]
         if len(idx) == len(keys):
-            out = await self.inner.batch_set(keys, pages)
+            out = await self._forward(d, [], self.inner.batch_set(keys, pages))
         else:
             out = [False] * len(keys)
             if idx:
-                got = await self.inner.batch_set([keys[i] for i in idx], [pages[i] for i in idx])
+                got = await self._forward(
+                    d, [], self.inner.batch_set([keys[i] for i in idx], [pages[i] for i in idx])
+                )
                 for i, ok in zip(idx, got, strict=True):
                     out[i] = ok
         await self._after(d)
@@ -631,18 +641,20 @@ class FaultyBackend(StorageBackend):
         sub = list(keys)
         for st in d.shaping:
             assert d.rng is not None
-            if sub:
-                kept = self._subset(st.spec, len(sub), d.rng)
-                self._record(st, d, f"deleted {len(kept)} of {len(sub)} keys")
-                self._pages_dropped += len(sub) - len(kept)
-                sub = [sub[i] for i in kept]
-        n = await self.inner.delete(sub) if sub else 0
+            if not sub:
+                st.faults -= 1
+                continue
+            kept = self._subset(st.spec, len(sub), d.rng)
+            self._record(st, d, f"deleted {len(kept)} of {len(sub)} keys")
+            self._pages_dropped += len(sub) - len(kept)
+            sub = [sub[i] for i in kept]
+        n = await self._forward(d, [], self.inner.delete(sub)) if sub else 0
         await self._after(d)
         return n
 
     async def clear(self) -> None:
         d = await self._before("clear")
-        await self.inner.clear()
+        await self._forward(d, [], self.inner.clear())
         await self._after(d)
 
     async def stats(self) -> BackendStats:
@@ -778,6 +790,9 @@ class FaultyBackend(StorageBackend):
             # the same sequence whatever the probabilities.
             if self._rng.random() >= spec.probability:
                 continue
+            # Reserve the fault now, so concurrent calls cannot overrun max_faults;
+            # a result-shaping fault that finds nothing to shape gives it back.
+            st.faults += 1
             kind = spec.kind
             if kind is FaultKind.LATENCY:
                 d.delays.append((st, self._draw_delay(spec)))
@@ -800,6 +815,18 @@ class FaultyBackend(StorageBackend):
         if st_r is not None and not st_r.spec.after:
             await self._raise(st_r, d)
         return d
+
+    async def _forward(self, d: _Decision, pending: list[_SpecState], call: Awaitable[_T]) -> _T:
+        """Await the wrapped backend; if it fails, give back the faults reserved
+        for this call that will now never be injected."""
+        try:
+            return await call
+        except BaseException:
+            for st in pending:
+                st.faults -= 1
+            if d.raising is not None:
+                d.raising.faults -= 1
+            raise
 
     async def _after(self, d: _Decision) -> None:
         st = d.raising
@@ -839,7 +866,6 @@ class FaultyBackend(StorageBackend):
         return float(spec.delay)
 
     def _record(self, st: _SpecState, d: _Decision, detail: str) -> None:
-        st.faults += 1
         kind = st.spec.kind.value
         self._counts[kind] += 1
         self.events.append(FaultEvent(d.call, d.op, kind, detail))
@@ -875,6 +901,7 @@ class FaultyBackend(StorageBackend):
         arrived = [i for i, ok in enumerate(got) if ok and targets[i].nbytes > 0]
         for st in damage:
             if not arrived:
+                st.faults -= 1
                 continue
             spec = st.spec
             n = len(arrived) if spec.pages is None else min(spec.pages, len(arrived))
