@@ -1,0 +1,327 @@
+"""FileBackend specifics: restart and second process, damaged files, crash leftovers,
+capacity, permissions, key safety, write failures and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from tests.storage.storage_helpers import FORMAT, host_pool, keys, random_page, slots
+
+from tiercache.errors import ConfigError, InvalidInputError
+from tiercache.memory import PageBuffer
+from tiercache.storage import file as file_module
+from tiercache.storage.file import FileBackend, shard_dirs
+from tiercache.storage.format import pack_page
+
+LOGGER = "tiercache.storage.file"
+
+
+def page_path(root: Path, key: str) -> Path:
+    a, b = shard_dirs(key)
+    return root / a / b / f"{key}.page"
+
+
+def all_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+CHILD = """
+import asyncio, hashlib, sys
+from tiercache.memory import PageBuffer
+from tiercache.storage import file as file_module
+from tiercache.storage.file import FileBackend
+
+async def main():
+    root, fmt, nbytes, *ks = sys.argv[1:]
+    async with await FileBackend.open(root) as b:
+        print(await b.batch_exists(ks))
+        pages = [PageBuffer.allocate(int(nbytes), fmt) for _ in ks]
+        print(await b.batch_get(ks, pages))
+        for p in pages:
+            print(hashlib.sha256(p.tobytes()).hexdigest())
+
+asyncio.run(main())
+"""
+
+
+async def test_a_second_process_reads_the_pages_bit_identically(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    pool = await asyncio.to_thread(host_pool, "page_first", 32, 7)
+    pages = pool.page_buffers(slots(0, 3, 6))
+    ks = keys(3)
+    async with await FileBackend.open(root) as b:
+        assert await b.batch_set(ks, pages) == [True] * 3
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CHILD, str(root), pool.format, str(pages[0].nbytes), *ks,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    lines = out.decode().split()
+    assert lines[0] == "3"
+    assert "".join(lines[1:4]) == "[True,True,True]"
+    assert lines[4:] == [hashlib.sha256(p.tobytes()).hexdigest() for p in pages]
+
+
+async def test_pages_and_lru_order_survive_a_restart(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    ks = keys(3)
+    src = [random_page() for _ in ks]
+    async with await FileBackend.open(root) as b:
+        await b.batch_set(ks, src)
+    now = time.time()
+    for age, k in zip((300, 200, 100), ks, strict=True):  # ks[0] oldest
+        await asyncio.to_thread(os.utime, page_path(root, k), (now - age, now - age))
+    size = (await asyncio.to_thread(os.stat, page_path(root, ks[0]))).st_size
+    async with await FileBackend.open(root, capacity_bytes=2 * size) as b:
+        s = await b.stats()
+        assert s.extra["pages"] == 2 and s.evictions == 1
+        assert await b.batch_exists(ks) == 0  # the oldest went
+        dst = [PageBuffer.allocate(512, FORMAT) for _ in ks[1:]]
+        assert await b.batch_get(ks[1:], dst) == [True, True]
+        assert [d.tobytes() for d in dst] == [p.tobytes() for p in src[1:]]
+    assert not await asyncio.to_thread(page_path(root, ks[0]).exists)
+
+
+async def test_pages_written_by_another_instance_are_found(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    async with await FileBackend.open(root) as reader, await FileBackend.open(root) as writer:
+        ks = keys(2)
+        assert await reader.batch_exists(ks) == 0
+        await writer.batch_set(ks, [random_page(), random_page()])
+        assert await reader.batch_exists(ks) == 2
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)
+
+
+def _extend(path: Path) -> None:
+    with open(path, "ab") as f:
+        f.write(b"\0")
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(os.urandom(700))
+
+
+def _header(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[30] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_flip, _truncate, _extend, _garbage, _header])
+async def test_damaged_file_is_a_logged_miss_and_is_removed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: object
+) -> None:
+    assert callable(damage)
+    root = tmp_path / "store"
+    async with await FileBackend.open(root) as b:
+        ks = keys(2)
+        src = [random_page(), random_page()]
+        await b.batch_set(ks, src)
+        await asyncio.to_thread(damage, page_path(root, ks[0]))
+        dst = [random_page(), PageBuffer.allocate(512, FORMAT)]
+        before = dst[0].tobytes()
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert await b.batch_get(ks, dst) == [False, True]
+        assert dst[0].tobytes() == before  # never wrong bytes
+        assert dst[1].tobytes() == src[1].tobytes()
+        assert "failed its checks" in caplog.text
+        assert not await asyncio.to_thread(page_path(root, ks[0]).exists)
+        assert (await b.stats()).corrupt_pages == 1
+        assert await b.batch_exists(ks[:1]) == 0
+
+
+async def test_swapped_files_are_misses(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "store"
+    async with await FileBackend.open(root) as b:
+        ks = keys(2)
+        await b.batch_set(ks, [random_page(), random_page()])
+        p0, p1 = page_path(root, ks[0]), page_path(root, ks[1])
+        tmp = tmp_path / "swap"
+        await asyncio.to_thread(os.replace, p0, tmp)
+        await asyncio.to_thread(os.replace, p1, p0)
+        await asyncio.to_thread(os.replace, tmp, p1)
+        dst = [random_page(), random_page()]
+        before = [d.tobytes() for d in dst]
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert await b.batch_get(ks, dst) == [False, False]
+        assert [d.tobytes() for d in dst] == before
+        assert "file swapped" in caplog.text
+        assert await asyncio.to_thread(all_files, root) == []
+
+
+async def test_page_of_another_format_is_a_miss_and_removed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "store"
+    async with await FileBackend.open(root) as b:
+        (k,) = keys(1)
+        await b.batch_set([k], [random_page(512, "mha:L2:H2:D8:float16:P4:page_first")])
+        dst = random_page(512, "mha:L2:H2:D8:bfloat16:P4:page_first")
+        before = dst.tobytes()
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert await b.batch_get([k], [dst]) == [False]
+        assert dst.tobytes() == before
+        assert "stored format" in caplog.text
+        assert not await asyncio.to_thread(page_path(root, k).exists)
+
+
+async def test_leftover_temporary_files_are_ignored_and_cleaned(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    (k,) = keys(1)
+    shard = page_path(root, k).parent
+    await asyncio.to_thread(shard.mkdir, parents=True)
+    blob = b"".join(bytes(p) for p in pack_page(k, random_page()))
+    stale, fresh = shard / f".{k}.1.aaaaaaaa.tmp", shard / f".{k}.2.bbbbbbbb.tmp"
+    for p in (stale, fresh):
+        await asyncio.to_thread(p.write_bytes, blob)
+    old = time.time() - 3600
+    await asyncio.to_thread(os.utime, stale, (old, old))
+    async with await FileBackend.open(root) as b:
+        assert await b.batch_exists([k]) == 0  # a temp file is never a page
+        assert await b.batch_get([k], [PageBuffer.allocate(512, FORMAT)]) == [False]
+        assert not await asyncio.to_thread(stale.exists)
+        assert await asyncio.to_thread(fresh.exists)  # may belong to a live writer
+        assert await b.batch_set([k], [random_page()]) == [True]
+        assert await b.batch_exists([k]) == 1
+
+
+async def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    ks = keys(4)
+    async with await FileBackend.open(root) as probe:
+        await probe.batch_set(ks[:1], [random_page()])
+        size = (await asyncio.to_thread(os.stat, page_path(root, ks[0]))).st_size
+        await probe.clear()
+    async with await FileBackend.open(root, capacity_bytes=3 * size) as b:
+        await b.batch_set(ks[:3], [random_page() for _ in range(3)])
+        assert await b.batch_get([ks[0]], [PageBuffer.allocate(512, FORMAT)]) == [True]
+        assert await b.batch_set([ks[3]], [random_page()]) == [True]
+        assert await b.batch_exists([ks[1]]) == 0
+        assert not await asyncio.to_thread(page_path(root, ks[1]).exists)
+        assert await b.batch_exists([ks[0], ks[2], ks[3]]) == 3
+        s = await b.stats()
+        assert s.evictions == 1 and s.extra["bytes"] == 3 * size
+        assert await b.batch_set(keys(1), [random_page(4 * 512)]) == [
+            False
+        ]  # larger than the store
+        assert len(await asyncio.to_thread(all_files, root)) == 3
+
+
+async def test_files_and_directories_are_private(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    async with await FileBackend.open(root) as b:
+        (k,) = keys(1)
+        await b.batch_set([k], [random_page()])
+    path = page_path(root, k)
+    for d in (root, path.parent, path.parent.parent):
+        assert stat.S_IMODE((await asyncio.to_thread(os.stat, d)).st_mode) == 0o700
+    assert stat.S_IMODE((await asyncio.to_thread(os.stat, path)).st_mode) == 0o600
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", "", "..", "/etc/passwd", ".hidden"])
+async def test_unsafe_keys_never_reach_a_path(tmp_path: Path, bad: str) -> None:
+    async with await FileBackend.open(tmp_path / "store") as b:
+        with pytest.raises(InvalidInputError):
+            await b.batch_set([bad], [random_page()])  # type: ignore[list-item]
+        with pytest.raises(InvalidInputError):
+            await b.batch_get([bad], [random_page()])  # type: ignore[list-item]
+        with pytest.raises(InvalidInputError):
+            await b.delete([bad])  # type: ignore[list-item]
+    assert await asyncio.to_thread(all_files, tmp_path) == []
+
+
+async def test_fsync_mode_round_trips(tmp_path: Path) -> None:
+    async with await FileBackend.open(tmp_path / "store", fsync=True, max_concurrency=2) as b:
+        ks = keys(3)
+        src = [random_page() for _ in ks]
+        assert await b.batch_set(ks, src) == [True] * 3
+        dst = [PageBuffer.allocate(512, FORMAT) for _ in ks]
+        assert await b.batch_get(ks, dst) == [True] * 3
+        assert [d.tobytes() for d in dst] == [p.tobytes() for p in src]
+
+
+async def test_a_failed_write_is_false_counted_and_leaves_no_temp_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "store"
+    async with await FileBackend.open(root) as b:
+        ks = keys(2)
+        while shard_dirs(ks[1]) == shard_dirs(ks[0]):
+            ks[1] = keys(1)[0]
+        blocked = page_path(root, ks[0]).parent
+        await asyncio.to_thread(blocked.parent.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(blocked.write_bytes, b"not a directory")
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            result = await b.batch_set(ks, [random_page(), random_page()])
+        assert result == [False, True]
+        assert "cannot write page" in caplog.text
+        assert (await b.stats()).errors == 1
+        files = await asyncio.to_thread(all_files, root)
+        assert not [f for f in files if f.name.endswith(".tmp")]
+
+
+async def test_cancelled_batch_set_cancels_pending_pages_and_finishes_running_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loop = asyncio.get_running_loop()
+    release = threading.Event()
+    two_running = asyncio.Event()
+    entered: list[int] = []
+    real_writev_all = file_module._writev_all
+
+    def slow_writev_all(fd: int, parts: object) -> None:
+        entered.append(fd)
+        if len(entered) == 2:
+            loop.call_soon_threadsafe(two_running.set)
+        release.wait(10)
+        real_writev_all(fd, parts)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(file_module, "_writev_all", slow_writev_all)
+    root = tmp_path / "store"
+    async with await FileBackend.open(root, max_concurrency=2) as b:
+        ks = keys(10)
+        task = asyncio.create_task(b.batch_set(ks, [random_page() for _ in ks]))
+        await two_running.wait()
+        task.cancel()
+        await asyncio.sleep(0)
+        assert not task.done()  # waits for the two pages being written
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(entered) == 2  # the other eight never started
+        files = await asyncio.to_thread(all_files, root)
+        assert len(files) == 2 and not [f for f in files if f.name.endswith(".tmp")]
+        monkeypatch.setattr(file_module, "_writev_all", real_writev_all)
+        assert await b.batch_set(ks, [random_page() for _ in ks]) == [True] * len(ks)
+        assert await b.batch_exists(ks) == len(ks)
+
+
+async def test_options_are_checked() -> None:
+    for opts in (
+        {"capacity_bytes": 0},
+        {"max_concurrency": 0},
+        {"fsync": "maybe"},
+        {"capacity_bytes": 10, "scan": False},
+    ):
+        with pytest.raises(ConfigError):
+            FileBackend("/nonexistent-tiercache-root", **opts)  # type: ignore[arg-type]
