@@ -518,3 +518,32 @@ async def test_open_backend_opens_redis_urls(redis_server: RedisServer) -> None:
             await backend.clear()
     with pytest.raises(ConfigError):
         await open_backend(redis_server.url, bogus=1)
+
+
+async def test_cancelled_get_waits_for_the_copy_into_its_pages(
+    make_redis_backend: MakeRedisBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = await make_redis_backend()
+    big = page(5, nbytes=OFFLOAD_BYTES + 4096, segments=2)
+    await backend.batch_set([key(1)], [big])
+    loop = asyncio.get_running_loop()
+    started, finished = asyncio.Event(), threading.Event()
+    real = redis_module._unpack_values
+
+    def slow_unpack(*args: object) -> object:
+        loop.call_soon_threadsafe(started.set)
+        finished.wait(0.3)  # a copy still running when the caller is cancelled
+        out = real(*args)  # type: ignore[arg-type]
+        finished.set()
+        return out
+
+    monkeypatch.setattr(redis_module, "_unpack_values", slow_unpack)
+    target = blank(big.nbytes)
+    task = asyncio.create_task(backend.batch_get([key(1)], [target]))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished.is_set()  # the buffer is no longer being written when the caller gets it back
+    monkeypatch.undo()
+    assert await backend.batch_exists([key(1)]) == 1  # the backend is still usable
