@@ -44,6 +44,14 @@ if str(_ROOT) not in sys.path:
 
 from tests.redis_server import RedisServer, redis_server_binary  # noqa: E402
 
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    BenchmarkSkipped,
+    headline,
+    machine_info,
+    plot_bars,
+    write_result,
+)
 from tiercache.storage import PageBuffer, PageKey  # noqa: E402
 from tiercache.storage.redis import OFFLOAD_BYTES, RedisBackend  # noqa: E402
 
@@ -56,7 +64,7 @@ def _page_bytes(
     return 2 * layers * tokens * heads * head_dim * itemsize
 
 
-def _machine() -> dict[str, Any]:
+def _versions() -> dict[str, Any]:
     binary = redis_server_binary() or ""
     try:
         server = subprocess.run(
@@ -66,9 +74,6 @@ def _machine() -> dict[str, Any]:
         server = "unknown"
     return {
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
         "redis_py": redis.__version__,
         "redis_server": server,
     }
@@ -150,54 +155,27 @@ async def _run(
     }
 
 
-def _plot(result: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    tp = result["throughput_MiB_s"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    xs = [0, 1]
-    ax.bar(
-        [x - 0.2 for x in xs], [tp["raw_write"], tp["raw_read"]], 0.4, label="raw redis-py SET/GET"
-    )
-    ax.bar(
-        [x + 0.2 for x in xs], [tp["backend_write"], tp["backend_read"]], 0.4, label="RedisBackend"
-    )
-    ax.set_xticks(xs, [f"write (x{result['write_ratio']})", f"read (x{result['read_ratio']})"])
-    ax.set_ylabel("MiB/s")
-    p = result["config"]
-    ax.set_title(f"Redis tier, {p['page_bytes'] // 1024} KiB pages, {p['batch']} per batch")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
-
-
-def main(quick: bool = False, out_dir: Path = Path("benchmarks/results")) -> dict[str, Any]:
+def main(quick: bool = False, out_dir: Path = RESULTS_DIR) -> dict[str, Any]:
     """Run the benchmark, write ``redis.json`` (and ``redis.png``) to ``out_dir``, return the result.
 
     Raises:
-        RuntimeError: ``redis-server`` is not installed.
+        BenchmarkSkipped: ``redis-server`` is not installed.
     """
     binary = redis_server_binary()
     if binary is None:
-        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        raise BenchmarkSkipped("redis-server is not installed (apt-get install redis-server)")
     if quick:
         config = {"page_bytes": _page_bytes(layers=8), "batch": 8, "batches": 32, "repeats": 5}
     else:
         config = {"page_bytes": _page_bytes(layers=32), "batch": 8, "batches": 16, "repeats": 5}
     started = time.perf_counter()
     with RedisServer(binary) as server:
-        result = asyncio.run(_run(server, **config))
-    result = {
+        measured = asyncio.run(_run(server, **config))
+    tp = measured["throughput_MiB_s"]
+    result: dict[str, Any] = {
         "benchmark": "redis",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": {**machine_info(), **_versions()},
         "quick": quick,
         "config": {
             **config,
@@ -205,18 +183,39 @@ def main(quick: bool = False, out_dir: Path = Path("benchmarks/results")) -> dic
             "layout": "Llama-3-8B TP=8 shard: L32 (quick: L8) x 1 KV head x 128 dims, fp16, K+V, page_first",
             "offload_bytes": OFFLOAD_BYTES,
         },
-        **result,
+        **measured,
+        "headline": [
+            headline("redis write throughput / raw SET", measured["write_ratio"], 0.5, unit="x"),
+            headline("redis read throughput / raw GET", measured["read_ratio"], 0.5, unit="x"),
+        ],
+        "table": {
+            "columns": ["direction", "raw MiB/s", "RedisBackend MiB/s", "ratio"],
+            "rows": [
+                ["write", tp["raw_write"], tp["backend_write"], measured["write_ratio"]],
+                ["read", tp["raw_read"], tp["backend_read"], measured["read_ratio"]],
+            ],
+        },
         "wall_s": round(time.perf_counter() - started, 2),
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "redis.json").write_text(json.dumps(result, indent=2) + "\n")
-    result["plot"] = str(out_dir / "redis.png") if _plot(result, out_dir / "redis.png") else None
+    write_result("redis", result, out_dir)
+    plot = plot_bars(
+        "redis",
+        ["write", "read"],
+        {
+            "raw redis-py SET/GET": [tp["raw_write"], tp["raw_read"]],
+            "RedisBackend": [tp["backend_write"], tp["backend_read"]],
+        },
+        title=f"Redis tier, {config['page_bytes'] // 1024} KiB pages, {config['batch']} per batch",
+        ylabel="MiB/s",
+        out_dir=out_dir,
+    )
+    result["plot"] = str(plot) if plot else None
     return result
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="small pages and few batches (< 15 s)")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     print(json.dumps(main(quick=args.quick, out_dir=args.out_dir), indent=2))
