@@ -38,6 +38,7 @@ that need it.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.metadata
 import inspect
@@ -117,7 +118,10 @@ def unregister_backend(name: str) -> None:
 
 
 def available_backends() -> list[str]:
-    """Names that resolve without a dotted path: registered, built-in, entry points."""
+    """Names that resolve without a dotted path: registered, built-in, entry points.
+
+    Reads the installed distributions' metadata (file IO): call it off the event loop.
+    """
     names = set(_registry) | set(_BUILTIN) | set(_ALIASES)
     names.update(ep.name for ep in _entry_points())
     return sorted(names)
@@ -150,6 +154,9 @@ def _import_object(spec: str, what: str) -> object:
 
 def resolve_backend(name: str) -> BackendFactory:
     """The factory for a scheme name or a dotted path.
+
+    May import modules and read distribution metadata (file IO): `open_backend`
+    calls it in a worker thread.
 
     Raises:
         BackendNotFoundError: nothing is registered, built in or published as
@@ -220,7 +227,14 @@ async def open_backend(url: str, **options: Any) -> StorageBackend:
     """
     if not isinstance(url, str) or not url:
         raise ConfigError(f"a storage URL is a non-empty str, got {url!r}")
-    factory = resolve_backend(_split_target(url))
+    target = _split_target(url)
+    # Resolving may import modules and scan installed distributions for entry
+    # points (file IO): off the loop, unless it is a registration (a dict lookup).
+    registered = _registry.get(target)
+    if registered is not None:
+        factory = registered
+    else:
+        factory = await asyncio.to_thread(resolve_backend, target)
     from_url = getattr(factory, "from_url", None)
     if inspect.isclass(factory) and from_url is not None:
         result: object = from_url(url, **options)
