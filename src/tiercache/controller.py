@@ -14,16 +14,30 @@ import enum
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Self
 
 import torch
 
-from tiercache.errors import ClosedError, ConfigError, InvalidInputError, StateError
+from tiercache.errors import (
+    BackendUnavailableError,
+    ClosedError,
+    ConfigError,
+    InvalidInputError,
+    StateError,
+)
+from tiercache.index.hashing import StorageNamespace
 from tiercache.memory.allocator import PageAllocator, check_slot_indices
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
+from tiercache.storage.base import StorageBackend
+from tiercache.storage_tier import (
+    BackupOperation,
+    PrefetchOperation,
+    StorageTier,
+    StorageTierConfig,
+)
 from tiercache.transfer.engine import CopyEngine, TransferPlan
 from tiercache.transfer.layer_done import LayerDoneCounter, LayerDoneSet
 from tiercache.transfer.streams import CopyStream
@@ -187,6 +201,12 @@ class TierController:
         auto_start_writes: start queued writes on the next loop iteration.
         track_acks: keep finished write acks for `drain_acks` (what an
             engine's scheduler tick polls).
+        model: the model name folded into storage keys.
+        tp_rank, tp_size: this tensor-parallel shard (folded into storage keys;
+            for MLA only rank 0 writes to storage).
+        tp_group: a ``torch.distributed`` process group over the TP ranks:
+            prefetch hit counts are agreed across it (MIN).
+        storage_config: prefetch / backup knobs (`StorageTierConfig`).
 
     Raises:
         ConfigError: unknown write policy.
@@ -203,6 +223,11 @@ class TierController:
         write_policy: str = "write_through",
         auto_start_writes: bool = True,
         track_acks: bool = True,
+        model: str = "default",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: Any = None,
+        storage_config: StorageTierConfig | None = None,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ConfigError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
@@ -226,6 +251,14 @@ class TierController:
         self.track_acks = track_acks
         self.state = ControllerState.CREATED
         self.stats = ControllerStats()
+        # Validates model / TP fields now rather than at attach time.
+        self.namespace = StorageNamespace.for_layout(
+            self.layout, host_pool.host_layout, model=model, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.tp_group = tp_group
+        self.storage_config = storage_config or StorageTierConfig()
+        self.storage: StorageTier | None = None
+        self._storage_lock = asyncio.Lock()
         self.layer_done_counter = LayerDoneCounter(self.layout.num_layers)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._write_stream: CopyStream | None = None
@@ -284,6 +317,9 @@ class TierController:
             return
         self.state = ControllerState.CLOSING
         try:
+            if self.storage is not None:
+                tier, self.storage = self.storage, None
+                await tier.stop()
             self._start_writes_now()
             self._start_loads_now()
             await self.wait_idle()
@@ -661,6 +697,141 @@ class TierController:
     def plan(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> TransferPlan:
         """Validate a host/device pairing (see `CopyEngine.plan`)."""
         return self.engine.plan(host_indices, device_indices)
+
+    # -- storage (L3) -----------------------------------------------------------
+
+    @property
+    def storage_attached(self) -> bool:
+        return self.storage is not None
+
+    async def attach_storage_backend(
+        self, backend: StorageBackend | str, **options: Any
+    ) -> StorageBackend:
+        """Attach a storage backend at runtime: an open `StorageBackend`, or a URL to open.
+
+        Rollback-safe: if opening the backend fails, the controller is left
+        exactly as it was and the error propagates. A backend opened here from
+        a URL is closed on detach; one passed in stays the caller's to close.
+
+        Returns:
+            The attached backend.
+
+        Raises:
+            StateError: a backend is already attached (detach it first).
+            ConfigError / BackendNotFoundError / StorageError: the URL or the
+                backend failed to open.
+        """
+        self._check_open()
+        async with self._storage_lock:
+            if self.storage is not None:
+                raise StateError("a storage backend is already attached; detach it first")
+            owns = isinstance(backend, str)
+            if isinstance(backend, str):
+                from tiercache.storage.registry import open_backend
+
+                opened = await open_backend(backend, **options)
+            elif isinstance(backend, StorageBackend):
+                if options:
+                    raise InvalidInputError("options are only accepted with a backend URL")
+                opened = backend
+            else:
+                raise InvalidInputError(
+                    f"expected a StorageBackend or a URL, got {type(backend).__name__}"
+                )
+            try:
+                self._check_open()
+                self.storage = StorageTier(
+                    self,
+                    opened,
+                    self.namespace,
+                    self.storage_config,
+                    owns_backend=owns,
+                    tp_group=self.tp_group,
+                    write_enabled=not (self.layout.mla and self.namespace.tp_rank != 0),
+                )
+            except BaseException:
+                if owns:
+                    await opened.aclose()
+                raise
+            logger.info("storage backend %s attached", opened.name)
+            return opened
+
+    async def detach_storage_backend(self) -> bool:
+        """Detach the storage backend: terminate prefetches, stop backups, free their slots.
+
+        Idempotent. Returns once no storage coroutine is left running;
+        ``True`` if a backend was attached. Prefetch operations in flight end
+        `TERMINATED` with what they completed (collect it with
+        `terminate_prefetch`).
+        """
+        async with self._storage_lock:
+            tier, self.storage = self.storage, None
+            if tier is None:
+                return False
+            await tier.stop()
+            logger.info("storage backend %s detached", tier.backend.name)
+            return True
+
+    def _tier(self) -> StorageTier:
+        self._check_open()
+        if self.storage is None:
+            raise BackendUnavailableError("no storage backend is attached")
+        return self.storage
+
+    def prefetch(
+        self,
+        request_id: object,
+        host_indices: torch.Tensor,
+        token_ids: Sequence[int],
+        last_hash: str | None = None,
+    ) -> PrefetchOperation | None:
+        """Start a storage prefetch of ``token_ids`` into ``host_indices`` (see `StorageTier.prefetch`).
+
+        Returns ``None`` (the caller keeps its slots) when no backend is
+        attached or prefetch is rate-limited.
+        """
+        self._check_open()
+        if self.storage is None:
+            return None
+        return self.storage.prefetch(request_id, host_indices, token_ids, last_hash)
+
+    def prefetch_rate_limited(self) -> bool:
+        return self.storage is not None and self.storage.rate_limited()
+
+    async def terminate_prefetch(self, operation: PrefetchOperation) -> tuple[int, list[str]]:
+        """Stop a prefetch; return ``(completed_tokens, hash_values)`` (see `StorageTier.terminate_prefetch`).
+
+        Works after a detach too (the operation is already ended then).
+        """
+        tier = self.storage
+        if tier is None:
+            await operation
+            if not operation._released:
+                operation._released = True
+            return operation.completed_tokens, operation.hash_values[
+                : operation.completed_tokens // self.layout.page_size
+            ]
+        return await tier.terminate_prefetch(operation)
+
+    def write_storage(
+        self,
+        host_indices: torch.Tensor,
+        token_ids: Sequence[int],
+        hash_value: str | None = None,
+        *,
+        node_id: object = None,
+        hash_values: list[str] | None = None,
+    ) -> BackupOperation | None:
+        """Back host pages up to storage (see `StorageTier.write_storage`); ``None`` when detached."""
+        self._check_open()
+        if self.storage is None:
+            return None
+        return self.storage.write_storage(
+            host_indices, token_ids, hash_value, node_id=node_id, hash_values=hash_values
+        )
+
+    def drain_backup_acks(self) -> list[BackupOperation]:
+        return [] if self.storage is None else self.storage.drain_backup_acks()
 
     def __repr__(self) -> str:
         return f"TierController({self.layout.describe()}, state={self.state.value}, policy={self.write_policy})"
