@@ -91,7 +91,6 @@ def test_partial_page_is_not_hashed() -> None:
         [2**32],
         [1.0, 2.0],
         ["a"],
-        [True, 2],
         np.array([1.5]),
         np.array([-3], dtype=np.int64),
         np.array([[1, 2]]),

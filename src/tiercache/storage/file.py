@@ -27,7 +27,7 @@ never read as pages; opening the backend removes those older than ten minutes.
 **Reads are checked before they land.** A file is read with ``readv`` into a
 pooled scratch buffer (no allocation per page), its header and CRC-32 are
 verified by `unpack_page`, and only then is the payload copied into the
-target page: one extra memcpy per page (about 0.1 ms per MiB), the price of
+target page: one extra memcpy per page (cheaper than the CRC itself), the price of
 never writing unchecked bytes into the host pool. A truncated, corrupt,
 format-mismatched or swapped file (header key differs from the key asked) is
 a miss, logged as a warning, counted in ``stats.corrupt_pages`` and removed.
