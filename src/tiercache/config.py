@@ -1,0 +1,300 @@
+"""`TierCacheConfig`: every knob of a `TierCache`, validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiercache.controller import WRITE_POLICIES
+from tiercache.errors import ConfigError, TierCacheError
+from tiercache.memory.layout import SUPPORTED_DTYPES, KVLayout, dtype_name
+from tiercache.memory.pools import HOST_LAYOUTS
+
+__all__ = ["PREFETCH_POLICIES", "WRITE_POLICIES", "TierCacheConfig"]
+
+PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
+_DTYPES = {dtype_name(d): d for d in SUPPORTED_DTYPES}
+_ENV_PREFIX = "TIERCACHE_"
+
+
+def _parse_dtype(value: object) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[value.removeprefix("torch.")]
+    raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TierCacheConfig:
+    """The configuration of one `TierCache` (one model shard).
+
+    Build it from keyword arguments, `from_dict`, `from_toml` or `from_env`
+    (``TIERCACHE_<FIELD>`` variables). Every field is validated on
+    construction; a bad value raises `ConfigError` naming the field.
+
+    Model shape:
+        num_layers, num_kv_heads, head_dim, dtype, page_size, mla: the KV layout
+        (see `KVLayout`).
+        model: a name for the weights, folded into storage keys so pages of
+        different models never mix.
+        tp_rank, tp_size: this tensor-parallel shard.
+
+    Memory tiers:
+        device: ``"cpu"`` or a CUDA device for L1.
+        device_tokens: token slots in the device pool.
+        host_tokens: token slots in the host pool; or ``host_size_bytes``; or
+        ``host_ratio`` times ``device_tokens`` (default 2.0, as SGLang).
+        host_layout: ``"layer_first"`` or ``"page_first"``.
+
+    Policies:
+        write_policy: ``write_through`` (back up to host on insert),
+        ``write_through_selective`` (once a node's hit count reaches
+        ``write_through_threshold``), ``write_back`` (when evicted from device).
+        storage_url: an L3 backend to attach on open (``None``: none), with
+        ``storage_options``.
+        prefetch_policy: ``best_effort`` (take what arrived when the request is
+        scheduled), ``wait_complete`` (wait for the whole prefetch),
+        ``timeout`` (wait up to ``prefetch_timeout_base +
+        prefetch_timeout_per_ki_token * tokens / 1024`` seconds, capped at
+        ``prefetch_timeout_max``).
+        prefetch_threshold: fewer storage-hit tokens than this are not fetched.
+        prefetch_capacity_tokens: host tokens prefetches may hold at once
+        (``None``: no cap).
+        storage_timeout_s: deadline of every backend call.
+        storage_io_concurrency, storage_io_batch_pages, storage_query_batch_pages,
+        storage_backup_batch_pages: storage IO shape.
+    """
+
+    num_layers: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    dtype: torch.dtype = torch.float32
+    page_size: int = 16
+    mla: bool = False
+    model: str = "default"
+    tp_rank: int = 0
+    tp_size: int = 1
+    device: str = "cpu"
+    device_tokens: int = 4096
+    host_tokens: int | None = None
+    host_size_bytes: int | None = None
+    host_ratio: float = 2.0
+    host_layout: str = "layer_first"
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2
+    storage_url: str | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    prefetch_policy: str = "best_effort"
+    prefetch_threshold: int = 256
+    prefetch_timeout_base: float = 1.0
+    prefetch_timeout_per_ki_token: float = 0.25
+    prefetch_timeout_max: float = 30.0
+    prefetch_capacity_tokens: int | None = None
+    storage_timeout_s: float = 5.0
+    storage_io_concurrency: int = 4
+    storage_io_batch_pages: int = 8
+    storage_query_batch_pages: int = 128
+    storage_backup_batch_pages: int = 32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", _parse_dtype(self.dtype))
+        object.__setattr__(self, "storage_options", dict(self.storage_options))
+        for name in (
+            "num_layers",
+            "num_kv_heads",
+            "head_dim",
+            "page_size",
+            "tp_size",
+            "device_tokens",
+            "storage_io_concurrency",
+            "storage_io_batch_pages",
+            "storage_query_batch_pages",
+            "storage_backup_batch_pages",
+            "write_through_threshold",
+        ):
+            self._int(name, minimum=1)
+        self._int("tp_rank", minimum=0)
+        self._int("prefetch_threshold", minimum=0)
+        for name in ("host_tokens", "host_size_bytes", "prefetch_capacity_tokens"):
+            if getattr(self, name) is not None:
+                self._int(name, minimum=1)
+        for name in (
+            "host_ratio",
+            "prefetch_timeout_base",
+            "prefetch_timeout_per_ki_token",
+            "prefetch_timeout_max",
+            "storage_timeout_s",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+                raise ConfigError(f"{name} must be a non-negative number, got {v!r}")
+        if self.storage_timeout_s <= 0:
+            raise ConfigError("storage_timeout_s must be positive")
+        if not isinstance(self.mla, bool):
+            raise ConfigError(f"mla must be a bool, got {self.mla!r}")
+        if self.tp_rank >= self.tp_size:
+            raise ConfigError(f"tp_rank={self.tp_rank} must be below tp_size={self.tp_size}")
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"model must be a non-empty str, got {self.model!r}")
+        for name, allowed in (
+            ("write_policy", WRITE_POLICIES),
+            ("prefetch_policy", PREFETCH_POLICIES),
+            ("host_layout", HOST_LAYOUTS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.device_tokens % self.page_size:
+            raise ConfigError(
+                f"device_tokens={self.device_tokens} is not a multiple of page_size={self.page_size}"
+            )
+        if self.host_tokens is not None and self.host_tokens % self.page_size:
+            raise ConfigError(
+                f"host_tokens={self.host_tokens} is not a multiple of page_size={self.page_size}"
+            )
+        if self.host_tokens is not None and self.host_size_bytes is not None:
+            raise ConfigError("give host_tokens or host_size_bytes, not both")
+        if self.storage_url is not None and (
+            not isinstance(self.storage_url, str) or not self.storage_url
+        ):
+            raise ConfigError(
+                f"storage_url must be a non-empty str or None, got {self.storage_url!r}"
+            )
+        if not isinstance(self.device, str):
+            raise ConfigError(
+                f"device must be a str such as 'cpu' or 'cuda:0', got {self.device!r}"
+            )
+        try:
+            self.layout()
+        except TierCacheError as e:
+            raise ConfigError(str(e)) from e
+
+    def _int(self, name: str, minimum: int) -> None:
+        v = getattr(self, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise ConfigError(f"{name} must be an int >= {minimum}, got {v!r}")
+
+    # -- derived --------------------------------------------------------------
+
+    def layout(self) -> KVLayout:
+        """The `KVLayout` these fields describe."""
+        return KVLayout(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.page_size,
+            mla=self.mla,
+        )
+
+    def resolved_host_tokens(self) -> int:
+        """Host pool slots: ``host_tokens``, else from ``host_size_bytes``, else the ratio."""
+        ps = self.page_size
+        if self.host_tokens is not None:
+            return self.host_tokens
+        if self.host_size_bytes is not None:
+            return max(ps, self.host_size_bytes // self.layout().page_bytes * ps)
+        return max(ps, int(self.device_tokens * self.host_ratio) // ps * ps)
+
+    def prefetch_timeout(self, num_tokens: int) -> float:
+        """The ``timeout`` policy's deadline for a prefetch of ``num_tokens`` tokens."""
+        t = self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * num_tokens / 1024
+        return min(t, self.prefetch_timeout_max)
+
+    def replace(self, **changes: Any) -> TierCacheConfig:
+        return dataclasses.replace(self, **changes)
+
+    # -- constructors -----------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TierCacheConfig:
+        """Build from a mapping; unknown keys raise `ConfigError` (typos never pass silently)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"expected a mapping, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown configuration keys: {unknown}")
+        try:
+            return cls(**dict(data))
+        except TypeError as e:
+            raise ConfigError(str(e)) from e
+
+    @classmethod
+    def from_toml(cls, path: str | Path, table: str | None = "tiercache") -> TierCacheConfig:
+        """Build from a TOML file: the ``[tiercache]`` table, or the whole file when absent.
+
+        Raises:
+            ConfigError: unreadable or invalid file, or bad values.
+        """
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read configuration {path}: {e}") from e
+        if table and isinstance(data.get(table), dict):
+            data = data[table]
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> TierCacheConfig:
+        """Build from ``TIERCACHE_<FIELD>`` variables (e.g. ``TIERCACHE_PAGE_SIZE=64``).
+
+        Values are parsed by the field's type; ``TIERCACHE_STORAGE_OPTIONS``
+        is ``key=value,key=value``. Keyword ``overrides`` win over the
+        environment. Unknown ``TIERCACHE_`` variables are ignored (other tools
+        share the prefix), except that a bad value for a known one raises.
+        """
+        env = os.environ if environ is None else environ
+        types = {f.name: f.type for f in fields(cls)}
+        data: dict[str, Any] = {}
+        for key, raw in env.items():
+            if not key.startswith(_ENV_PREFIX):
+                continue
+            name = key[len(_ENV_PREFIX) :].lower()
+            if name not in types:
+                continue
+            data[name] = _parse_env(name, str(types[name]), raw)
+        data.update(overrides)
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["dtype"] = dtype_name(self.dtype)
+        out["storage_options"] = dict(self.storage_options)
+        return out
+
+
+def _parse_env(name: str, type_name: str, raw: str) -> Any:
+    text = raw.strip()
+    try:
+        if name == "storage_options":
+            opts: dict[str, str] = {}
+            for part in filter(None, text.split(",")):
+                k, _, v = part.partition("=")
+                opts[k.strip()] = v.strip()
+            return opts
+        if "None" in type_name and text.lower() in ("", "none"):
+            return None
+        if type_name.startswith("bool"):
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if type_name.startswith("int"):
+            return int(text)
+        if type_name.startswith("float"):
+            return float(text)
+        return text
+    except ValueError as e:
+        raise ConfigError(f"TIERCACHE_{name.upper()}={raw!r} is not a valid {type_name}") from e
