@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from tests.storage.redis_fixtures import redis_backend_factory
 
 from tiercache.storage import StorageBackend
 from tiercache.storage.file import FileBackend
@@ -30,6 +31,7 @@ async def _file(tmp_path: Path) -> StorageBackend:
 BACKEND_FACTORIES: dict[str, BackendFactory] = {
     "memory": _memory,
     "file": _file,
+    "redis": redis_backend_factory,
 }
 
 
