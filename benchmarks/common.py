@@ -89,7 +89,7 @@ def set_threads(n: int | None = None) -> int:
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU model, cores, memory, Python/torch versions, device and the time (ISO)."""
+    """CPU model, cores, memory, Python/torch versions, device, load average and the time (ISO)."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -102,6 +102,8 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        # Other processes on a small machine disturb timings: record how busy it was.
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
 
