@@ -157,7 +157,10 @@ class TierCache:
         self.index = RadixIndex(self.layout.page_size)
         self._stats = CacheStats()
         self._controller: TierController | None = None
-        self._write_backs: dict[int, asyncio.Future[None]] = {}
+        # Loads in flight and the device slots they fill: a request whose
+        # prefix shares those slots waits for them too (the index already
+        # shows the nodes as device-resident while the bytes are landing).
+        self._pending_loads: dict[LoadHandle, torch.Tensor] = {}
         self._backups: set[BackupOperation] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._error: BaseException | None = None
@@ -592,6 +595,8 @@ class TierCache:
                 pass
 
         handle._future.add_done_callback(unlock)
+        self._pending_loads[handle] = ack.device_indices
+        handle._future.add_done_callback(lambda _f: self._pending_loads.pop(handle, None))
         full = self.index.match_prefix(
             self.index.prefix_tokens(target), match.extra_key, touch=False
         )
@@ -633,29 +638,45 @@ class TierCache:
             return 0
         if not parent.is_root:
             self.index.pin_host(parent)
+        op = ctl.prefetch(request_id, host, toks[start : start + n], match.index.prior_hash)
+        if op is None:
+            ctl.host_allocator.free(host)
+            if not parent.is_root:
+                self.index.unpin_host(parent)
+            return 0
+        self._stats.prefetches += 1
+        settle = self._settle_prefetch(ctl, op, toks[start : start + n], parent, match.extra_key)
         try:
-            op = ctl.prefetch(request_id, host, toks[start : start + n], match.index.prior_hash)
-            if op is None:
-                ctl.host_allocator.free(host)
-                return 0
-            self._stats.prefetches += 1
             await self._wait_policy(op, policy, n)
+        except BaseException:
+            # Cancelled while waiting: finish on our own so the fetched pages
+            # are kept (or freed) and nothing stays held.
+            self._spawn(settle)
+            raise
+        return await settle
+
+    async def _settle_prefetch(
+        self,
+        ctl: TierController,
+        op: PrefetchOperation,
+        toks: list[int],
+        parent: Node,
+        extra_key: str | None,
+    ) -> int:
+        """Terminate ``op``, insert what arrived under ``parent``, free the rest."""
+        try:
             done, hashes = await ctl.terminate_prefetch(op)
         finally:
             if not parent.is_root and parent.host_pin:
                 self.index.unpin_host(parent)
         if done == 0:
             return 0
-        got = host[:done]
-        if parent.parent is None and not parent.is_root:
-            ctl.host_allocator.free(got)  # the parent was dropped meanwhile
+        got = op.host_indices[:done]
+        if self.state is not CacheState.OPEN or (parent.parent is None and not parent.is_root):
+            ctl.host_allocator.free(got)  # closing, or the parent was dropped meanwhile
             return 0
         res = self.index.insert_host(
-            toks[start : start + done],
-            got,
-            parent=parent,
-            extra_key=match.extra_key,
-            page_hashes=hashes,
+            toks[:done], got, parent=parent, extra_key=extra_key, page_hashes=hashes
         )
         if res.prefix_len:
             ctl.host_allocator.free(got[: res.prefix_len])
@@ -692,21 +713,33 @@ class TierCache:
         self._check()
         toks = self._tokens(tokens)
         m = self.match_prefix(toks, extra_key)
+        first_device, first_matched = m.device_tokens, m.index.matched_length
         storage = 0
         if prefetch and m.storage_candidate_tokens:
-            storage = await self.prefetch(toks, m, request_id=request_id)
-            if storage:
-                m = self.match_prefix(toks, extra_key)
+            # Hold what matched while the prefetch awaits: nothing under it may
+            # be evicted meanwhile, so the prefetched pages continue it.
+            held = m.index.last_node
+            self.lock(held)
+            try:
+                storage = await self.prefetch(toks, m, request_id=request_id)
+            finally:
+                self.unlock(held)
+            m = self.match_prefix(toks, extra_key)
         prefix, handle = await self.load_back(m)
         node = self.index.match_prefix(
             toks[: prefix.numel()], extra_key, touch=False
         ).last_device_node
         self.lock(node)
-        req = Request(self, toks, extra_key, prefix, handle, node)
+        loads = [handle] if handle is not None else []
+        for h, dev in list(self._pending_loads.items()):
+            if h is not handle and prefix.numel() and bool(torch.isin(dev, prefix).any()):
+                loads.append(h)
+        req = Request(self, toks, extra_key, prefix, loads, node)
         self._stats.requests += 1
         self._stats.tokens_requested += len(toks)
-        self._stats.tokens_device_hit += m.device_tokens
-        self._stats.tokens_host_hit += max(0, prefix.numel() - m.device_tokens - storage)
+        device_hit = min(first_device, int(prefix.numel()))
+        self._stats.tokens_device_hit += device_hit
+        self._stats.tokens_host_hit += max(0, min(int(prefix.numel()), first_matched) - device_hit)
         try:
             yield req
         finally:
@@ -775,7 +808,9 @@ class Request:
         tokens: the prompt.
         cached_tokens: leading tokens whose KV is on the device (or loading).
         prefix_indices: their device slots.
-        load: the `LoadHandle` of the part loaded back from host, or ``None``.
+        load: the `LoadHandle` of the part this request loaded back from host, or ``None``.
+        loads: every load the prefix waits on (its own, and loads started by
+            concurrent requests for the same pages).
     """
 
     def __init__(
@@ -784,7 +819,7 @@ class Request:
         tokens: list[int],
         extra_key: str | None,
         prefix: torch.Tensor,
-        load: LoadHandle | None,
+        loads: list[LoadHandle],
         node: Node,
     ) -> None:
         self.cache = cache
@@ -792,20 +827,22 @@ class Request:
         self.extra_key = extra_key
         self.prefix_indices = prefix
         self.cached_tokens = int(prefix.numel())
-        self.load = load
+        self.loads = loads
+        self.load = loads[0] if loads else None
         self._node = node
         self._owned: list[torch.Tensor] = []
         self._committed = False
         self._released = False
 
     def layer_ready(self, layer: int) -> None:
-        """Block a worker thread until ``layer`` of the load is on the device (no-op without one)."""
-        if self.load is not None:
-            self.load.wait_layer(layer)
+        """Block a worker thread until ``layer`` of the prefix is on the device (no-op when it is)."""
+        for h in self.loads:
+            h.wait_layer(layer)
 
     async def wait_loaded(self) -> None:
-        if self.load is not None:
-            await self.load
+        """Wait until the whole prefix is on the device."""
+        for h in self.loads:
+            await h
 
     async def alloc(self, num_tokens: int) -> torch.Tensor:
         """Device slots for new tokens, rounded up to whole pages; the first ``num_tokens`` are returned.
@@ -856,9 +893,9 @@ class Request:
         cache = self.cache
         if cache.state is not CacheState.OPEN:
             return
-        if self.load is not None:
+        for h in self.loads:
             try:
-                await self.load
+                await h
             except Exception:  # the load failed: the slots are still accounted below
                 pass
         try:
