@@ -714,14 +714,13 @@ class TierCache:
         toks = self._tokens(tokens)
         m = self.match_prefix(toks, extra_key)
         first_device, first_matched = m.device_tokens, m.index.matched_length
-        storage = 0
         if prefetch and m.storage_candidate_tokens:
             # Hold what matched while the prefetch awaits: nothing under it may
             # be evicted meanwhile, so the prefetched pages continue it.
             held = m.index.last_node
             self.lock(held)
             try:
-                storage = await self.prefetch(toks, m, request_id=request_id)
+                await self.prefetch(toks, m, request_id=request_id)
             finally:
                 self.unlock(held)
             m = self.match_prefix(toks, extra_key)
