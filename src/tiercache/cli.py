@@ -1,0 +1,195 @@
+"""The ``tiercache`` command line.
+
+Subcommands:
+
+``tiercache demo``     the serving demo under four cache configurations (`tiercache.demo`);
+``tiercache bench``    the benchmarks of the repository checkout (``benchmarks/run.py``);
+``tiercache inspect``  what a file store holds, read from its page headers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import tiercache
+from tiercache.errors import StorageCorruptionError
+
+__all__ = ["find_benchmarks", "inspect_store", "main"]
+
+#: Bytes read from the start of each page file: enough for any real header.
+_HEADER_READ = 4096
+
+
+def find_benchmarks() -> Path | None:
+    """The ``benchmarks`` folder: under the current directory, else beside the package's checkout."""
+    for candidate in (
+        Path.cwd() / "benchmarks",
+        Path(tiercache.__file__).resolve().parents[2] / "benchmarks",
+    ):
+        if (candidate / "run.py").is_file():
+            return candidate
+    return None
+
+
+def inspect_store(root: Path) -> dict[str, object]:
+    """Summarise a file store: pages, bytes, and a breakdown per key namespace and page format.
+
+    Only each ``*.page`` file's header is read. Files whose header does not
+    parse are counted as ``damaged``.
+
+    Raises:
+        FileNotFoundError: ``root`` is not a directory.
+    """
+    from tiercache.storage.format import decode_header
+
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory")
+    pages = 0
+    total = 0
+    damaged = 0
+    groups: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            if not name.endswith(".page") or name.startswith("."):
+                continue
+            path = Path(dirpath) / name
+            size = path.stat().st_size
+            pages += 1
+            total += size
+            with open(path, "rb") as f:
+                head = f.read(_HEADER_READ)
+            try:
+                h = decode_header(head)
+            except StorageCorruptionError:
+                damaged += 1
+                continue
+            namespace = h.key.rsplit("-", 1)[0] if "-" in h.key else "(none)"
+            g = groups[(namespace, h.format)]
+            g[0] += 1
+            g[1] += size
+    return {
+        "root": str(root),
+        "pages": pages,
+        "bytes": total,
+        "damaged": damaged,
+        "groups": [
+            {"namespace": ns, "format": fmt, "pages": n, "bytes": b}
+            for (ns, fmt), (n, b) in sorted(groups.items())
+        ],
+    }
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from tiercache.demo import main as demo_main
+
+    return demo_main(
+        args.dir,
+        quick=args.quick,
+        clients=args.clients,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    bench = find_benchmarks()
+    if bench is None:
+        print(
+            "tiercache bench: no benchmarks/ folder found (it ships with the source "
+            "repository, not the package): run this from the repository root",
+            file=sys.stderr,
+        )
+        return 2
+    sys.path.insert(0, str(bench.parent))
+    from benchmarks.run import main as bench_main
+
+    argv: list[str] = []
+    if args.quick:
+        argv.append("--quick")
+    if args.only:
+        argv += ["--only", args.only]
+    return int(bench_main(argv))
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    try:
+        info = inspect_store(Path(args.path))
+    except FileNotFoundError as e:
+        print(f"tiercache inspect: {e}", file=sys.stderr)
+        return 2
+    print(f"store: {info['root']}")
+    print(f"pages: {info['pages']}  bytes: {info['bytes']}  damaged: {info['damaged']}")
+    groups = info["groups"]
+    assert isinstance(groups, list)
+    for g in groups:
+        print(
+            f"  namespace {g['namespace']}  format {g['format']}: {g['pages']} pages, {g['bytes']} bytes"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tiercache", description="tiercache: a tiered KV cache for LLM serving."
+    )
+    parser.add_argument("--version", action="version", version=f"tiercache {tiercache.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser(
+        "demo",
+        help="serve a chat + shared-document workload under four cache configurations",
+        description="Run the same workload with no cache, device only, device+host and all tiers "
+        "(after a flush); print TTFT, prefill tokens and hit rates; write DIR/demo.json and DIR/demo.png.",
+    )
+    demo.add_argument(
+        "--quick", action="store_true", help="a small workload that runs in a few seconds"
+    )
+    demo.add_argument(
+        "--dir",
+        default="tiercache-demo",
+        help="output folder and file store (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--clients", type=int, default=None, help="chat clients (default: 8, or 3 with --quick)"
+    )
+    demo.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the tokens and arrival times (default: %(default)s)",
+    )
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    demo.set_defaults(func=_cmd_demo)
+
+    bench = sub.add_parser(
+        "bench",
+        help="run the benchmarks (benchmarks/run.py of the repository checkout)",
+        description="Run the repository's benchmarks and write benchmarks/results/summary.json.",
+    )
+    bench.add_argument("--quick", action="store_true", help="smaller sizes, a few seconds each")
+    bench.add_argument(
+        "--only", default="", help="comma-separated benchmark names, e.g. transfer,storage"
+    )
+    bench.set_defaults(func=_cmd_bench)
+
+    insp = sub.add_parser(
+        "inspect",
+        help="summarise what a file store holds",
+        description="Count the pages and bytes of a file store, per key namespace and page format, "
+        "reading only each page file's header.",
+    )
+    insp.add_argument("path", help="the file store's root directory")
+    insp.set_defaults(func=_cmd_inspect)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the subcommand; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    rc: int = args.func(args)
+    return rc
