@@ -1,0 +1,73 @@
+"""The command line: every subcommand's help, and `inspect` on a store the test fills."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiercache import TierCache, TierCacheConfig
+from tiercache.cli import inspect_store, main
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "inspect"])
+def test_help_of_each_subcommand(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert f"tiercache {command}" in out
+    assert {"demo": "--quick", "bench": "--only", "inspect": "path"}[command] in out
+
+
+def test_module_entry_point_runs() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "tiercache", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0
+    assert "inspect" in r.stdout
+
+
+async def _fill(root: Path, model: str, num_pages: int) -> None:
+    cfg = TierCacheConfig(
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=8,
+        page_size=16,
+        device_tokens=1024,
+        storage_url=f"file://{root}",
+        model=model,
+    )
+    async with TierCache(cfg) as cache:
+        tokens = list(range(num_pages * 16))
+        async with cache.request(tokens) as req:
+            slots = await req.alloc(len(tokens))
+            await req.commit(tokens, torch.cat([req.prefix_indices, slots]))
+        await cache.wait_idle()
+
+
+@pytest.mark.allow_blocking
+def test_inspect_counts_pages_per_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import asyncio
+
+    asyncio.run(_fill(tmp_path, "model-a", 3))
+    asyncio.run(_fill(tmp_path, "model-b", 2))
+    (tmp_path / "junk.page").write_bytes(b"not a page")
+    info = inspect_store(tmp_path)
+    assert info["pages"] == 6
+    assert info["damaged"] == 1
+    groups = info["groups"]
+    assert isinstance(groups, list)
+    assert sorted(g["pages"] for g in groups) == [2, 3]
+    assert len({g["namespace"] for g in groups}) == 2
+    assert sum(g["bytes"] for g in groups) + len(b"not a page") == info["bytes"]
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "pages: 6" in out and "damaged: 1" in out
+
+
+def test_inspect_missing_dir(tmp_path: Path) -> None:
+    assert main(["inspect", str(tmp_path / "nope")]) == 2
