@@ -46,7 +46,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from tiercache.errors import BackendNotFoundError, ConfigError
 from tiercache.storage.base import StorageBackend
@@ -59,6 +59,7 @@ __all__ = [
     "option_bool",
     "option_float",
     "option_int",
+    "redact_url",
     "register_backend",
     "reject_unknown",
     "resolve_backend",
@@ -85,6 +86,54 @@ _NAME_RE = re.compile(r"[a-z][a-z0-9+.-]*")
 _DOTTED_RE = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)")
 
 _registry: dict[str, BackendFactory] = {}
+
+#: Query parameters whose values are secrets, masked by `redact_url`.
+_SECRET_QUERY = frozenset(
+    {"password", "passwd", "pwd", "secret", "token", "access_key", "secret_key"}
+)
+_MASK = "***"
+_USERINFO_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/]*:)[^@/]*@")
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for logs and error messages: secrets replaced by ``***``.
+
+    Masks the password of the user info (``scheme://user:***@host``) and the
+    values of secret query parameters (``?password=***``, ``token``, ...), for
+    any scheme. Everything else is kept, so the result still says which
+    backend and where. A URL that cannot be parsed becomes ``"<unparsable url>"``.
+    """
+    # First on the raw text: an unescaped '?' or '#' in a password would end
+    # the netloc early for urlsplit and leave the rest of the password behind.
+    url = _USERINFO_RE.sub(r"\1" + _MASK + "@", url, count=1)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        if ":" in userinfo:
+            userinfo = userinfo.split(":", 1)[0] + ":" + _MASK
+        netloc = f"{userinfo}@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(k.lower() in _SECRET_QUERY for k, _ in pairs):
+            query = urlencode(
+                [(k, _MASK if k.lower() in _SECRET_QUERY else v) for k, v in pairs], safe="*:/"
+            )
+    if netloc == parts.netloc and query == parts.query:
+        return url
+    out = f"{parts.scheme}:" if parts.scheme else ""
+    if netloc or url.startswith(f"{out}//"):
+        out += f"//{netloc}"
+    out += parts.path
+    if query:
+        out += "?" + query
+    if parts.fragment:
+        out += "#" + parts.fragment
+    return out
 
 
 def register_backend(name: str, factory: BackendFactory, *, replace: bool = False) -> None:
@@ -202,7 +251,7 @@ def _split_target(url: str) -> str:
     scheme = urlsplit(url).scheme.lower()
     if not scheme:
         raise BackendNotFoundError(
-            f"storage URL {url!r} has no scheme (memory://, file:///path, redis://...)"
+            f"storage URL {redact_url(url)!r} has no scheme (memory://, file:///path, redis://...)"
         )
     return scheme
 
@@ -244,9 +293,11 @@ async def open_backend(url: str, **options: Any) -> StorageBackend:
         result = await result
     if not isinstance(result, StorageBackend):
         raise ConfigError(
-            f"the factory for {url!r} returned {type(result).__name__}, not a StorageBackend"
+            f"the factory for {redact_url(url)!r} returned {type(result).__name__}, "
+            "not a StorageBackend"
         )
-    logger.debug("opened %s backend for %s", result.name, url.split("?", 1)[0])
+    # Never log the raw URL: it may carry a password (redis://:pw@host).
+    logger.debug("opened %s backend for %s", result.name, redact_url(url.split("?", 1)[0]))
     return result
 
 
@@ -268,7 +319,7 @@ def url_options(url: str, options: Mapping[str, Any]) -> tuple[str, dict[str, An
     if sep:
         for k, v in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
             if k in merged:
-                raise ConfigError(f"option {k!r} appears twice in {url!r}")
+                raise ConfigError(f"option {k!r} appears twice in {redact_url(url)!r}")
             merged[k] = v
     merged.update(options)
     return base, merged
