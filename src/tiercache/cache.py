@@ -343,17 +343,32 @@ class TierCache:
             InvalidInputError: a bad size.
         """
         ctl = self._check()
-        for _ in range(3):
-            got = ctl.device_allocator.alloc(num_tokens)
-            if got is not None:
-                return got
-            await self.evict_device(num_tokens - ctl.device_allocator.available)
         got = ctl.device_allocator.alloc(num_tokens)
+        if got is None:
+            await self._make_device_room(num_tokens)
+            got = ctl.device_allocator.alloc(num_tokens)
         if got is None:
             raise CapacityError(
                 f"cannot find {num_tokens} device slots: {ctl.device_allocator.available} free, the rest locked"
             )
         return got
+
+    async def _make_device_room(self, num_tokens: int) -> None:
+        """Evict until ``num_tokens`` device slots are free, waiting for host copies in flight.
+
+        Nodes whose host copy is still running cannot leave the device yet;
+        when eviction alone falls short, wait for those copies and try again.
+        """
+        ctl = self.controller
+        for _ in range(4):
+            short = num_tokens - ctl.device_allocator.available
+            if short <= 0:
+                return
+            if await self.evict_device(short) >= short:
+                return
+            if not ctl._inflight and not ctl._write_queue:
+                return
+            await ctl.wait_idle()
 
     def free_device(self, indices: torch.Tensor) -> None:
         """Return device slots from `alloc_device` that were not inserted."""
@@ -570,9 +585,7 @@ class TierCache:
         self.index.lock(target)
         try:
             total = sum(n.num_tokens for n in path)
-            short = total - ctl.device_allocator.available
-            if short > 0:
-                await self.evict_device(short)
+            await self._make_device_room(total)
             path = self.index.load_path(target)
             host = torch.cat([n.host_indices for n in path if n.host_indices is not None])
             ack = ctl.submit_load(host, node_id=target.id, track=False)
@@ -682,7 +695,8 @@ class TierCache:
             ctl.host_allocator.free(got[: res.prefix_len])
         if res.node is not None:
             res.node.backuped_storage = True
-        self._stats.tokens_storage_hit += done
+        # Pages another request cached meanwhile are counted where they were found.
+        self._stats.tokens_storage_hit += done - res.prefix_len
         return done
 
     async def _wait_policy(self, op: PrefetchOperation, policy: str, num_tokens: int) -> None:
