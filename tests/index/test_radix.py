@@ -330,6 +330,18 @@ def test_pins_protect_host_nodes() -> None:
     assert index.evict_host_candidates(100) == [leaf]
 
 
+def test_pinned_node_without_host_copy_is_not_offered_for_device_eviction() -> None:
+    index, _ = make(2)
+    node = index.insert([1, 2], slots(0, 2)).node
+    assert node is not None
+    wid = index.begin_write(node, slots(0, 2))
+    index.pin_host(node)
+    index.finish_write(wid, ok=False)  # the pin outlives the failed copy
+    assert index.evict_device_candidates(10) == []
+    index.unpin_host(node)
+    assert index.evict_device_candidates(10) == [node]
+
+
 # -- eviction --------------------------------------------------------------------
 
 

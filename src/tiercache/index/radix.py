@@ -774,7 +774,7 @@ class RadixIndex:
     # -- eviction -------------------------------------------------------------
 
     def evictable_device_leaves(self) -> list[Node]:
-        """Unlocked device-resident nodes with no device-resident child (O(N))."""
+        """The device leaves `evict_device_candidates` may offer, in no order (O(N))."""
         return [n for n in self.nodes() if self._device_leaf(n, ())]
 
     def evict_device_candidates(self, num_tokens: int) -> list[Node]:
@@ -782,7 +782,9 @@ class RadixIndex:
 
         Leaves first: a node is offered only after every device-resident
         child of it was offered; locked nodes (and nodes with a write in
-        flight, which are locked) never are. The tree is not changed: for
+        flight, which are locked) never are, nor are pinned nodes without a
+        host copy (they could only be removed, and a pin keeps a node in the
+        tree). The tree is not changed: for
         each node, in order, the caller either frees its device slots and
         calls `mark_device_evicted` (it is on the host), or, when it is a
         leaf, frees them and calls `remove`, or writes it back first. Fewer
@@ -1004,6 +1006,7 @@ class RadixIndex:
         return (
             n.device_indices is not None
             and n.lock_ref == 0
+            and (n.host_pin == 0 or n.host_indices is not None)
             and not any(
                 c.device_indices is not None and c.id not in taken for c in n.children.values()
             )
