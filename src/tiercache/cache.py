@@ -80,6 +80,9 @@ class CacheStats:
     prefetch_failed: int = 0
     storage_backups: int = 0
     storage_errors: int = 0
+    storage_outages: int = 0
+    storage_reconnects: int = 0
+    storage_auto_detaches: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -223,6 +226,10 @@ class TierCache:
                 backup_batch_pages=cfg.storage_backup_batch_pages,
                 prefetch_capacity_tokens=cfg.prefetch_capacity_tokens,
                 timeout_s=cfg.storage_timeout_s,
+                fault_policy=cfg.storage_fault_policy,
+                fault_threshold=cfg.storage_fault_threshold,
+                reconnect_backoff_s=cfg.storage_reconnect_backoff_s,
+                reconnect_backoff_max_s=cfg.storage_reconnect_backoff_max_s,
             ),
         )
         await ctl.open()
@@ -802,6 +809,9 @@ class TierCache:
                 s.prefetch_completed = st.prefetch_completed
                 s.prefetch_failed = st.prefetch_failed
                 s.storage_errors = st.storage_errors + st.storage_timeouts
+                s.storage_outages = st.outages
+                s.storage_reconnects = st.reconnects
+            s.storage_auto_detaches = ctl.stats.storage_auto_detaches
             s.extra = {
                 "device_tokens_cached": float(self.index.total_device_tokens()),
                 "host_tokens_cached": float(self.index.total_host_tokens()),

@@ -16,6 +16,7 @@ from tiercache.controller import WRITE_POLICIES
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.memory.layout import SUPPORTED_DTYPES, KVLayout, dtype_name
 from tiercache.memory.pools import HOST_LAYOUTS
+from tiercache.storage_tier import FAULT_POLICIES
 
 __all__ = ["PREFETCH_POLICIES", "WRITE_POLICIES", "TierCacheConfig"]
 
@@ -71,6 +72,12 @@ class TierCacheConfig:
         storage_timeout_s: deadline of every backend call.
         storage_io_concurrency, storage_io_batch_pages, storage_query_batch_pages,
         storage_backup_batch_pages: storage IO shape.
+        storage_fault_policy: after ``storage_fault_threshold`` consecutive
+        failed backend calls, ``auto_reconnect`` (default) stops calling the
+        backend — prefetches miss at once, backups are skipped — and probes it
+        with exponential backoff from ``storage_reconnect_backoff_s`` up to
+        ``storage_reconnect_backoff_max_s``, resuming when it answers;
+        ``auto_detach`` detaches it; ``none`` keeps calling it.
     """
 
     num_layers: int = 4
@@ -103,6 +110,10 @@ class TierCacheConfig:
     storage_io_batch_pages: int = 8
     storage_query_batch_pages: int = 128
     storage_backup_batch_pages: int = 32
+    storage_fault_policy: str = "auto_reconnect"
+    storage_fault_threshold: int = 5
+    storage_reconnect_backoff_s: float = 0.5
+    storage_reconnect_backoff_max_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _parse_dtype(self.dtype))
@@ -119,6 +130,7 @@ class TierCacheConfig:
             "storage_query_batch_pages",
             "storage_backup_batch_pages",
             "write_through_threshold",
+            "storage_fault_threshold",
         ):
             self._int(name, minimum=1)
         self._int("tp_rank", minimum=0)
@@ -132,12 +144,14 @@ class TierCacheConfig:
             "prefetch_timeout_per_ki_token",
             "prefetch_timeout_max",
             "storage_timeout_s",
+            "storage_reconnect_backoff_s",
+            "storage_reconnect_backoff_max_s",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
                 raise ConfigError(f"{name} must be a non-negative number, got {v!r}")
-        if self.storage_timeout_s <= 0:
-            raise ConfigError("storage_timeout_s must be positive")
+        if self.storage_timeout_s <= 0 or self.storage_reconnect_backoff_s <= 0:
+            raise ConfigError("storage_timeout_s and storage_reconnect_backoff_s must be positive")
         if not isinstance(self.mla, bool):
             raise ConfigError(f"mla must be a bool, got {self.mla!r}")
         if self.tp_rank >= self.tp_size:
@@ -148,6 +162,7 @@ class TierCacheConfig:
             ("write_policy", WRITE_POLICIES),
             ("prefetch_policy", PREFETCH_POLICIES),
             ("host_layout", HOST_LAYOUTS),
+            ("storage_fault_policy", FAULT_POLICIES),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -14,7 +14,7 @@ import enum
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -76,6 +76,7 @@ class ControllerStats:
     host_full: int = 0
     device_full: int = 0
     copy_errors: int = 0
+    storage_auto_detaches: int = 0
 
 
 class CopyAck:
@@ -259,6 +260,7 @@ class TierController:
         self.storage_config = storage_config or StorageTierConfig()
         self.storage: StorageTier | None = None
         self._storage_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.layer_done_counter = LayerDoneCounter(self.layout.num_layers)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._write_stream: CopyStream | None = None
@@ -317,6 +319,8 @@ class TierController:
             return
         self.state = ControllerState.CLOSING
         try:
+            while self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
             if self.storage is not None:
                 tier, self.storage = self.storage, None
                 await tier.stop()
@@ -663,10 +667,13 @@ class TierController:
             InvalidInputError / DoubleFreeError: bad or unallocated slots.
         """
         self._check_open()
-        if self.ack_busy("device", device_indices):
+        dev = check_slot_indices(
+            device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
+        )
+        if self.ack_busy("device", dev):
             raise StateError("device slots with a copy in flight cannot be evicted; await its ack")
-        self.device_allocator.free(device_indices)
-        return int(device_indices.numel())
+        self.device_allocator.free(dev)
+        return int(dev.numel())
 
     def evict_host(self, host_indices: torch.Tensor) -> int:
         """Free host slots. Returns slots freed.
@@ -676,10 +683,13 @@ class TierController:
             InvalidInputError / DoubleFreeError: bad or unallocated slots.
         """
         self._check_open()
-        if self.ack_busy("host", host_indices):
+        host = check_slot_indices(
+            host_indices, self.layout.page_size, self.host_pool.num_slots, "host_indices"
+        )
+        if self.ack_busy("host", host):
             raise StateError("host slots with a copy in flight cannot be evicted; await its ack")
-        self.host_allocator.free(host_indices)
-        return int(host_indices.numel())
+        self.host_allocator.free(host)
+        return int(host.numel())
 
     async def reset(self) -> None:
         """Wait for every copy, then free every device and host slot."""
@@ -756,21 +766,36 @@ class TierController:
             logger.info("storage backend %s attached", opened.name)
             return opened
 
-    async def detach_storage_backend(self) -> bool:
+    async def detach_storage_backend(self, *, tier: StorageTier | None = None) -> bool:
         """Detach the storage backend: terminate prefetches, stop backups, free their slots.
 
         Idempotent. Returns once no storage coroutine is left running;
         ``True`` if a backend was attached. Prefetch operations in flight end
         `TERMINATED` with what they completed (collect it with
-        `terminate_prefetch`).
+        `terminate_prefetch`). With ``tier``, detach only if that tier is still
+        the attached one (the fault policy's automatic detach).
         """
         async with self._storage_lock:
+            if tier is not None and self.storage is not tier:
+                return False
             tier, self.storage = self.storage, None
             if tier is None:
                 return False
             await tier.stop()
             logger.info("storage backend %s detached", tier.backend.name)
             return True
+
+    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` as a task the controller owns (awaited at close; failures logged)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                logger.error("a controller task failed: %r", t.exception(), exc_info=t.exception())
+
+        task.add_done_callback(done)
 
     def _tier(self) -> StorageTier:
         self._check_open()

@@ -32,13 +32,15 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from tiercache.errors import (
+    BackendUnavailableError,
+    ConfigError,
     InvalidInputError,
     StorageError,
     StorageTimeoutError,
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
     from tiercache.controller import TierController
 
 __all__ = [
+    "FAULT_POLICIES",
     "BackupOperation",
     "PrefetchOperation",
     "PrefetchState",
@@ -78,6 +81,14 @@ class PrefetchState(enum.Enum):
 _FINAL = (PrefetchState.DONE, PrefetchState.REVOKED, PrefetchState.FAILED, PrefetchState.TERMINATED)
 
 
+#: What the tier does after ``fault_threshold`` consecutive failed backend calls:
+#: ``none`` keeps calling (each call a miss); ``auto_detach`` detaches the
+#: backend (attach it again by hand); ``auto_reconnect`` stops calling it —
+#: prefetches miss at once, backups are skipped — while a probe retries with
+#: exponential backoff, and resumes when the backend answers again.
+FAULT_POLICIES: tuple[str, ...] = ("none", "auto_detach", "auto_reconnect")
+
+
 @dataclass(frozen=True, slots=True)
 class StorageTierConfig:
     """Knobs of the storage tier (see `TierCacheConfig` for their documentation)."""
@@ -89,6 +100,30 @@ class StorageTierConfig:
     backup_batch_pages: int = 32
     prefetch_capacity_tokens: int | None = None
     timeout_s: float = 5.0
+    fault_policy: str = "auto_reconnect"
+    fault_threshold: int = 5
+    reconnect_backoff_s: float = 0.5
+    reconnect_backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.fault_policy not in FAULT_POLICIES:
+            raise ConfigError(
+                f"fault_policy must be one of {FAULT_POLICIES}, got {self.fault_policy!r}"
+            )
+        for name in (
+            "query_batch_pages",
+            "io_batch_pages",
+            "io_concurrency",
+            "backup_batch_pages",
+            "fault_threshold",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {v!r}")
+        for name in ("timeout_s", "reconnect_backoff_s", "reconnect_backoff_max_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+                raise ConfigError(f"{name} must be a positive number, got {v!r}")
 
 
 @dataclass(slots=True)
@@ -109,6 +144,10 @@ class StorageTierStats:
     bytes_written: int = 0
     storage_errors: int = 0
     storage_timeouts: int = 0
+    outages: int = 0
+    reconnects: int = 0
+    auto_detaches: int = 0
+    skipped_while_down: int = 0
 
 
 class PrefetchOperation:
@@ -249,6 +288,9 @@ class StorageTier:
                 1, thread_name_prefix="tiercache-collective"
             )
         self._closing = False
+        self._failures = 0  # consecutive failed backend calls
+        self.down = False  # auto_reconnect: the backend is not called until a probe succeeds
+        self._probe: asyncio.Task[None] | None = None
         self._query_task = self._spawn(self._query_loop())
         self.error: BaseException | None = None  # a bug that stopped a coroutine
 
@@ -272,17 +314,28 @@ class StorageTier:
     # -- helpers --------------------------------------------------------------
 
     async def _call(self, what: str, coro: Awaitable[T]) -> T:
-        """Await a backend call with the tier's timeout; errors become StorageError."""
+        """Await a backend call with the tier's timeout; errors become StorageError.
+
+        Counts consecutive failures for the fault policy. While the backend is
+        down (``auto_reconnect``) the call is not made: it fails at once with
+        `BackendUnavailableError`.
+        """
+        if self.down:
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            self.stats.skipped_while_down += 1
+            raise BackendUnavailableError("the storage backend is down; a probe is retrying it")
         task = asyncio.ensure_future(coro)
         try:
             async with asyncio.timeout(self.config.timeout_s):
-                return await asyncio.shield(task)
+                result = await asyncio.shield(task)
         except TimeoutError:
             self.stats.storage_timeouts += 1
             task.cancel()
             # Wait for the call to settle: it may be writing into host pages.
             with contextlib.suppress(BaseException):
                 await task
+            self._failed()
             raise StorageTimeoutError(
                 f"storage {what} timed out after {self.config.timeout_s} s"
             ) from None
@@ -293,11 +346,60 @@ class StorageTier:
             raise
         except StorageError:
             self.stats.storage_errors += 1
+            self._failed()
             raise
         except Exception as e:
             # A backend that raises outside the StorageError tree is still a storage failure.
             self.stats.storage_errors += 1
+            self._failed()
             raise StorageError(f"storage {what} failed: {e!r}") from e
+        self._failures = 0
+        return result
+
+    def _failed(self) -> None:
+        self._failures += 1
+        policy = self.config.fault_policy
+        if self._failures < self.config.fault_threshold or policy == "none" or self._closing:
+            return
+        if policy == "auto_detach":
+            if not self.down:
+                self.down = True
+                self.stats.auto_detaches += 1
+                self.controller.stats.storage_auto_detaches += 1
+                logger.warning(
+                    "storage backend %s failed %d times in a row: detaching it",
+                    self.backend.name,
+                    self._failures,
+                )
+                self.controller._background(self.controller.detach_storage_backend(tier=self))
+        elif not self.down:
+            self.down = True
+            self.stats.outages += 1
+            logger.warning(
+                "storage backend %s failed %d times in a row: treating it as down and probing it",
+                self.backend.name,
+                self._failures,
+            )
+            self._probe = self._spawn(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        """Probe the backend with exponential backoff until it answers, then resume."""
+        delay = self.config.reconnect_backoff_s
+        probe = [self.namespace.key("0" * 64)]
+        while not self._closing:
+            await asyncio.sleep(delay)
+            try:
+                async with asyncio.timeout(self.config.timeout_s):
+                    await self.backend.batch_exists(probe)
+            except (TimeoutError, Exception) as e:
+                logger.debug("storage probe failed: %r", e)
+                delay = min(delay * 2, self.config.reconnect_backoff_max_s)
+                continue
+            self.down = False
+            self._failures = 0
+            self.stats.reconnects += 1
+            logger.warning("storage backend %s answers again: resuming", self.backend.name)
+            return
 
     async def _hashes(self, token_ids: Sequence[int], prior: str | None) -> list[str]:
         n_pages = len(token_ids) // self.page_size
@@ -340,12 +442,15 @@ class StorageTier:
 
         Returns:
             The operation (the tier now owns ``host_indices``), or ``None`` when
-            rate-limited (the caller keeps its slots).
+            rate-limited or the backend is down (the caller keeps its slots).
 
         Raises:
             InvalidInputError: slots and tokens that do not match, bad tokens.
         """
         host, tokens = self._check_tokens(host_indices, token_ids)
+        if self.down:
+            self.stats.skipped_while_down += 1
+            return None
         cap = self.config.prefetch_capacity_tokens
         if cap is not None and self._held_tokens + host.numel() > cap and self._held_tokens > 0:
             self.stats.prefetch_rate_limited += 1
