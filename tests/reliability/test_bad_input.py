@@ -490,10 +490,7 @@ async def _check(
 
 
 #: Cases that fail today, with the reason (each is a bug to fix, not an accepted behaviour).
-KNOWN_BUGS: dict[str, str] = {
-    "evict device float": "TierController.evict_device indexes its busy counters before validating (IndexError)",
-    "evict host out of range": "TierController.evict_host indexes its busy counters before validating (IndexError)",
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 
 def _params() -> list[Any]:
