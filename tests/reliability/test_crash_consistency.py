@@ -19,6 +19,7 @@ kill a new in-process reader opens the same directory and checks:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -36,7 +37,7 @@ from tiercache.storage.file import FileBackend
 KILLS = int(os.environ.get("TIERCACHE_CRASH_KILLS", "6"))
 SEED = int(os.environ.get("TIERCACHE_CRASH_SEED", "20240611"))
 WRITER = Path(cw.__file__)
-_LINE_TIMEOUT_S = 30.0
+_LINE_TIMEOUT_S = 60.0
 #: Stale temporary files are removed when a backend opens (see file.py).
 _STALE_S = 11 * 60
 
@@ -152,6 +153,7 @@ class Zygote:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.pending: list[str] = []
+        self.worker: int | None = None  # the writer forked last, until reaped
 
     @classmethod
     async def start(cls) -> Zygote:
@@ -187,12 +189,25 @@ class Zygote:
                 return line.split()
             self.pending.append(line)
 
+    def kill_worker(self) -> None:
+        if self.worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.worker, signal.SIGKILL)
+
     async def fail(self, why: str) -> None:
-        self.proc.kill()
-        _, err = await self.proc.communicate()
+        # The writer holds the pipes too: kill it first, or reading them never ends.
+        self.kill_worker()
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        assert self.proc.stderr is not None
+        try:
+            err = await asyncio.wait_for(self.proc.stderr.read(), 10)
+        except TimeoutError:
+            err = b"<stderr not readable>"
         pytest.fail(f"{why}; writer stderr:\n{err.decode(errors='replace')[-4000:]}")
 
     async def close(self) -> None:
+        self.kill_worker()
         if self.proc.returncode is None:
             try:
                 await self.send("exit")
@@ -205,12 +220,13 @@ class Zygote:
 async def kill_one(zygote: Zygote, mode: str, root: Path, start: int, delay_s: float) -> None:
     """Fork a writer, let it write for ``delay_s``, SIGKILL it and check it died of the kill."""
     await zygote.send(f"fork {mode} {root} {start}")
-    pid = int((await zygote.expect("pid "))[1])
+    pid = zygote.worker = int((await zygote.expect("pid "))[1])
     await zygote.expect(f"started {pid}")
     await asyncio.sleep(delay_s)
     os.kill(pid, signal.SIGKILL)
     await zygote.send(f"reap {pid}")
     code = int((await zygote.expect(f"reaped {pid}"))[2])
+    zygote.worker = None
     if code != signal.SIGKILL:
         await zygote.fail(f"writer {pid} ended with {code} before it was killed")
 
