@@ -1,4 +1,4 @@
-"""The benchmark runner runs the transfer and controller benchmarks end to end.
+"""The benchmark runner runs the benchmarks end to end.
 
 Tiny sizes (``--smoke``): this checks that they run and write well-formed
 results, never how fast anything is.
@@ -82,6 +82,70 @@ def test_runner_writes_transfer_and_controller_results(tmp_path: Path) -> None:
     for h in heads:
         assert {"name", "value", "target", "op", "passed"} <= set(h)
         assert isinstance(h["passed"], bool)
+
+
+@pytest.mark.timeout(150)
+def test_runner_writes_e2e_and_scaling_results(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--smoke",
+            "--only",
+            "e2e,scaling",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    e2e = json.loads((tmp_path / "e2e.json").read_text())
+    configs = e2e["demo"]["configs"]
+    assert list(configs) == ["no_cache", "device", "device_host", "all_tiers"]
+    assert e2e["demo"]["tokens_identical"] is True
+    for c in configs.values():
+        assert c["ttft_p50_ms"] <= c["ttft_p90_ms"], c
+        assert _positive(c["ttft_mean_ms"]), c
+    assert configs["all_tiers"]["prefill_tokens"] < configs["no_cache"]["prefill_tokens"]
+    rows = e2e["sweep"]["rows"]
+    assert [r["prefix_tokens"] for r in rows] == [64, 128]
+    for r in rows:
+        for key in ("recompute_ttft_s", "device_ttft_s", "host_ttft_s", "storage_ttft_s"):
+            assert _positive(r[key]), (key, r)
+        for tier in ("device", "host", "storage"):
+            assert r[f"{tier}_ratio"] == pytest.approx(r["recompute_ttft_s"] / r[f"{tier}_ttft_s"])
+            assert r[f"{tier}_logits_max_abs_diff"] < 1e-3, (tier, r)
+        assert r["storage_bytes_read"] > 0
+    assert set(e2e["sweep"]["crossover"]) == {"device", "host", "storage"}
+    assert (tmp_path / "e2e.png").stat().st_size > 0
+
+    scaling = json.loads((tmp_path / "scaling.json").read_text())
+    trees = scaling["match_vs_tree"]
+    assert [t["tree_tokens"] >= t["target_tokens"] for t in trees] == [True, True]
+    assert trees[0]["tree_tokens"] < trees[1]["tree_tokens"]
+    assert all(t["path_nodes"] == trees[0]["path_nodes"] for t in trees)
+    assert all(_positive(t["match_s"]) and _positive(t["miss_s"]) for t in trees)
+    points = scaling["match_vs_prompt_length"]["points"]
+    assert [p["prompt_tokens"] for p in points] == [128, 512, 1024]
+    assert all(_positive(p["match_s"]) for p in points)
+    memory = {m["page_size"]: m for m in scaling["memory"]}
+    assert set(memory) == {1, 16, 64}
+    for ps, m in memory.items():
+        assert m["pages"] * ps == m["cached_tokens"] and m["nodes"] > 0
+        assert _positive(m["bytes_per_page"]) and m["slot_bytes_per_page"] == 8 * ps
+    # A page-size-1 index keeps a hash string per token: more per token than with 64-token pages.
+    assert memory[1]["bytes_per_token"] > memory[64]["bytes_per_token"]
+    assert (tmp_path / "scaling.png").stat().st_size > 0
+    assert (tmp_path / "scaling_prompt.png").stat().st_size > 0
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [b["name"] for b in summary["benchmarks"]] == ["e2e", "scaling"]
+    assert all(b["status"] == "ok" for b in summary["benchmarks"])
 
 
 def test_runner_rejects_an_unknown_benchmark(tmp_path: Path) -> None:
