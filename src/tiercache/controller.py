@@ -178,6 +178,8 @@ class _Operation:
     priority: int
     ack: CopyAck
     track: bool
+    host_pages: torch.Tensor
+    device_pages: torch.Tensor
 
 
 class TierController:
@@ -202,6 +204,9 @@ class TierController:
         auto_start_writes: start queued writes on the next loop iteration.
         track_acks: keep finished write acks for `drain_acks` (what an
             engine's scheduler tick polls).
+        inline_copy_bytes: on a CPU device, a merged copy this small runs on
+            the loop thread when its stream is idle: a thread hand-off costs
+            more than moving a few KiB (0 disables it; CUDA never does).
         model: the model name folded into storage keys.
         tp_rank, tp_size: this tensor-parallel shard (folded into storage keys;
             for MLA only rank 0 writes to storage).
@@ -224,6 +229,7 @@ class TierController:
         write_policy: str = "write_through",
         auto_start_writes: bool = True,
         track_acks: bool = True,
+        inline_copy_bytes: int = 64 * 1024,
         model: str = "default",
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -249,6 +255,15 @@ class TierController:
                 )
         self.write_policy = write_policy
         self.auto_start_writes = auto_start_writes
+        if (
+            isinstance(inline_copy_bytes, bool)
+            or not isinstance(inline_copy_bytes, int)
+            or inline_copy_bytes < 0
+        ):
+            raise ConfigError(
+                f"inline_copy_bytes must be a non-negative int, got {inline_copy_bytes!r}"
+            )
+        self.inline_copy_bytes = inline_copy_bytes
         self.track_acks = track_acks
         self.state = ControllerState.CREATED
         self.stats = ControllerStats()
@@ -365,9 +380,9 @@ class TierController:
         return indices[:: self.layout.page_size] // self.layout.page_size
 
     def _mark_busy(self, op: _Operation, delta: int) -> None:
-        if op.host_indices.numel():
-            self._busy_host[self._pages(op.host_indices)] += delta
-            self._busy_device[self._pages(op.device_indices.cpu())] += delta
+        if op.host_pages.numel():
+            self._busy_host[op.host_pages] += delta
+            self._busy_device[op.device_pages] += delta
 
     def _new_op(
         self,
@@ -383,7 +398,7 @@ class TierController:
             raise InvalidInputError(f"priority must be an int, got {priority!r}")
         nid = next(self._ids) if node_id is None else node_id
         ack = CopyAck(kind, nid, host, dev, loop.create_future())
-        op = _Operation(host, dev, priority, ack, track)
+        op = _Operation(host, dev, priority, ack, track, self._pages(host), self._pages(dev.cpu()))
         self._mark_busy(op, +1)
         return op
 
@@ -410,7 +425,7 @@ class TierController:
         dev = check_slot_indices(
             device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
         )
-        if not self.device_allocator.is_allocated(dev):
+        if not self.device_allocator.is_allocated(dev, checked=True):
             raise InvalidInputError("device_indices include slots that are not allocated")
         host = self.host_allocator.alloc(dev.numel())
         if host is None:
@@ -452,7 +467,7 @@ class TierController:
         ops.sort(key=lambda o: o.priority)
         host = torch.cat([o.host_indices for o in ops])
         dev = torch.cat([o.device_indices for o in ops])
-        plan = self.engine.plan(host, dev)
+        plan = self.engine.plan(host, dev, checked=True)
         stream = self._write_stream
         engine = self.engine
 
@@ -464,7 +479,7 @@ class TierController:
 
         self.stats.write_batches += 1
         self.stats.bytes_device_to_host += engine.plan_bytes(plan)
-        self._launch(stream, job, ops, None)
+        self._launch(stream, job, ops, None, engine.plan_bytes(plan))
         return len(ops)
 
     # -- host -> device -------------------------------------------------------
@@ -491,7 +506,7 @@ class TierController:
         host = check_slot_indices(
             host_indices, self.layout.page_size, self.host_pool.num_slots, "host_indices"
         )
-        if not self.host_allocator.is_allocated(host):
+        if not self.host_allocator.is_allocated(host, checked=True):
             raise InvalidInputError("host_indices include slots that are not allocated")
         dev = self.device_allocator.alloc(host.numel())
         if dev is None:
@@ -529,7 +544,7 @@ class TierController:
         ops.sort(key=lambda o: o.priority)
         host = torch.cat([o.host_indices for o in ops])
         dev = torch.cat([o.device_indices for o in ops])
-        plan = self.engine.plan(host, dev)
+        plan = self.engine.plan(host, dev, checked=True)
         stream = self._load_stream
         engine = self.engine
         num_layers = self.layout.num_layers
@@ -558,7 +573,7 @@ class TierController:
 
         self.stats.load_batches += 1
         self.stats.bytes_host_to_device += engine.plan_bytes(plan)
-        done = self._launch(stream, job, ops, layers)
+        done = self._launch(stream, job, ops, layers, engine.plan_bytes(plan))
         return LoadHandle(producer_id, host, dev, layers, done, [o.ack for o in ops])
 
     # -- completion -----------------------------------------------------------
@@ -569,15 +584,27 @@ class TierController:
         job: Callable[[], None],
         ops: list[_Operation],
         layers: LayerDoneSet | None,
+        nbytes: int,
     ) -> asyncio.Future[None]:
         assert self._loop is not None
-        try:
-            fut: asyncio.Future[None] = asyncio.wrap_future(stream.submit(job), loop=self._loop)
-        except BaseException as e:
+        fut: asyncio.Future[None]
+        if nbytes <= self.inline_copy_bytes and not stream.is_cuda and stream.idle:
+            # A copy of a few KiB takes less time than waking the worker
+            # thread and the loop again: run it here.
             fut = self._loop.create_future()
-            fut.set_exception(e)
-            if layers is not None:
-                layers.mark_failed(e)
+            try:
+                stream.run_inline(job)
+                fut.set_result(None)
+            except BaseException as e:
+                fut.set_exception(e)
+        else:
+            try:
+                fut = asyncio.wrap_future(stream.submit(job), loop=self._loop)
+            except BaseException as e:
+                fut = self._loop.create_future()
+                fut.set_exception(e)
+                if layers is not None:
+                    layers.mark_failed(e)
         self._inflight.add(fut)
         fut.add_done_callback(lambda f: self._finish(f, ops))
         return fut
@@ -672,7 +699,7 @@ class TierController:
         )
         if self.ack_busy("device", dev):
             raise StateError("device slots with a copy in flight cannot be evicted; await its ack")
-        self.device_allocator.free(dev)
+        self.device_allocator.free(dev, checked=True)
         return int(dev.numel())
 
     def evict_host(self, host_indices: torch.Tensor) -> int:
@@ -688,7 +715,7 @@ class TierController:
         )
         if self.ack_busy("host", host):
             raise StateError("host slots with a copy in flight cannot be evicted; await its ack")
-        self.host_allocator.free(host)
+        self.host_allocator.free(host, checked=True)
         return int(host.numel())
 
     async def reset(self) -> None:

@@ -225,7 +225,9 @@ async def test_full_host_and_device_return_none_and_keep_accounting() -> None:
 async def test_cancelling_a_backup_or_load_leaks_nothing(
     point: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with make(layers=4) as c:
+    # inline_copy_bytes=0: every copy runs on its stream's worker thread,
+    # where it can still be running when its awaiting task is cancelled.
+    async with make(layers=4, inline_copy_bytes=0) as c:
         start_host, start_dev = c.host_allocator.available, c.device_allocator.available
         gate = threading.Event()
         real_backup, real_load = c.engine.backup_all_layers, c.engine.load_layer
@@ -408,3 +410,34 @@ async def test_reset_frees_everything_and_close_drains_queued_writes() -> None:
         ack = c.submit_write(src)
         assert ack is not None and not ack.done()
     assert ack.done() and not ack.failed()
+
+
+async def test_tiny_copies_run_inline_on_an_idle_cpu_stream_and_stay_correct() -> None:
+    async with make(layers=2) as c:
+        src = c.device_allocator.alloc(16)
+        assert src is not None
+        expect = kv_at(c, src)
+        calls: list[str] = []
+        for stream in (c._write_stream, c._load_stream):
+            assert stream is not None
+            real = stream.submit
+            stream.submit = lambda job, real=real: (calls.append("thread"), real(job))[1]  # type: ignore[method-assign]
+        host = await c.backup(src)
+        assert host is not None
+        dst = await c.load_back(host)
+        assert dst is not None
+        assert calls == []  # both copies ran on the loop thread: no hand-off
+        assert all(torch.equal(e, g) for e, g in zip(expect, kv_at(c, dst), strict=True))
+    async with make(layers=2, inline_copy_bytes=0) as c:
+        src = c.device_allocator.alloc(16)
+        assert src is not None
+        seen: list[str] = []
+        real_backup = c.engine.backup_all_layers
+
+        def record(plan: object) -> None:
+            seen.append(threading.current_thread().name)
+            real_backup(plan)  # type: ignore[arg-type]
+
+        c.engine.backup_all_layers = record  # type: ignore[method-assign]
+        await c.backup(src)
+        assert seen and seen[0].startswith("tiercache-write")

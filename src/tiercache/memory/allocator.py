@@ -127,14 +127,20 @@ class PageAllocator:
         self._allocated[pages] = True
         return self.pages_to_slots(pages)
 
-    def free(self, indices: torch.Tensor) -> None:
+    def free(self, indices: torch.Tensor, *, checked: bool = False) -> None:
         """Return slots obtained from `alloc`.
+
+        Args:
+            indices: the slots.
+            checked: the caller already validated ``indices`` with
+                `check_slot_indices` against this pool (CPU int64, aligned, in
+                range): skip that pass. Allocation state is always checked.
 
         Raises:
             InvalidInputError: not page-aligned int64 slot indices of this pool.
             DoubleFreeError: some page is not allocated, or listed twice.
         """
-        cpu = check_slot_indices(indices, self.page_size, self.num_slots)
+        cpu = indices if checked else check_slot_indices(indices, self.page_size, self.num_slots)
         if cpu.numel() == 0:
             return
         pages = cpu[:: self.page_size] // self.page_size
@@ -147,9 +153,9 @@ class PageAllocator:
         self._released.append(pages.clone())
         self._num_released += pages.numel()
 
-    def is_allocated(self, indices: torch.Tensor) -> bool:
-        """Whether every page of ``indices`` is currently allocated."""
-        cpu = check_slot_indices(indices, self.page_size, self.num_slots)
+    def is_allocated(self, indices: torch.Tensor, *, checked: bool = False) -> bool:
+        """Whether every page of ``indices`` is currently allocated (``checked``: as in `free`)."""
+        cpu = indices if checked else check_slot_indices(indices, self.page_size, self.num_slots)
         if cpu.numel() == 0:
             return True
         return bool(self._allocated[cpu[:: self.page_size] // self.page_size].all())

@@ -64,16 +64,26 @@ class CopyEngine:
         self.device = device_pool.device
         self.non_blocking = self.device.type == "cuda" and host_pool.pinned
 
-    def plan(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> TransferPlan:
+    def plan(
+        self, host_indices: torch.Tensor, device_indices: torch.Tensor, *, checked: bool = False
+    ) -> TransferPlan:
         """Validate a pairing of host and device slots and plan its copies.
+
+        ``checked``: both were already validated with `check_slot_indices`
+        against their pools (CPU int64): skip that pass.
 
         Raises:
             InvalidInputError: wrong dtype, shape, alignment, range, or lengths
                 that differ.
         """
         ps = self.layout.page_size
-        host = check_slot_indices(host_indices, ps, self.host_pool.num_slots, "host_indices")
-        dev = check_slot_indices(device_indices, ps, self.device_pool.num_slots, "device_indices")
+        if checked:
+            host, dev = host_indices, device_indices
+        else:
+            host = check_slot_indices(host_indices, ps, self.host_pool.num_slots, "host_indices")
+            dev = check_slot_indices(
+                device_indices, ps, self.device_pool.num_slots, "device_indices"
+            )
         if host.numel() != dev.numel():
             raise InvalidInputError(
                 f"host_indices has {host.numel()} slots but device_indices has {dev.numel()}"
@@ -87,6 +97,8 @@ class CopyEngine:
         self, host: torch.Tensor, dev: torch.Tensor
     ) -> tuple[tuple[int, int, int], ...] | None:
         ps = self.layout.page_size
+        if host.numel() == ps:  # one page: one run
+            return ((int(host[0]), int(dev[0]), ps),)
         hp, dp = host[::ps], dev[::ps]
         if hp.numel() == 1:
             breaks = torch.zeros(0, dtype=torch.int64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -45,6 +46,27 @@ class CopyStream:
             max_workers=1, thread_name_prefix=f"tiercache-{name}"
         )
         self._closed = False
+        self._pending = 0  # jobs submitted and not finished
+        self._lock = threading.Lock()
+
+    @property
+    def idle(self) -> bool:
+        """No job is queued or running."""
+        return self._pending == 0
+
+    def run_inline(self, job: Callable[[], T]) -> T:
+        """Run ``job`` now on the calling thread (CPU streams only, and only when `idle`).
+
+        For copies so small that handing them to the worker thread costs more
+        than the copy: ordering is kept because nothing else is queued.
+
+        Raises:
+            RuntimeError: a CUDA stream, a busy stream or a closed one.
+        """
+        if self.is_cuda or self._closed or self._pending:
+            raise RuntimeError(f"copy stream {self.name} cannot run a job inline now")
+        with torch.inference_mode():
+            return job()
 
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
@@ -64,10 +86,21 @@ class CopyStream:
             raise RuntimeError(f"copy stream {self.name} is closed")
 
         def run() -> T:
-            with self._context(), torch.inference_mode():
-                return job()
+            try:
+                with self._context(), torch.inference_mode():
+                    return job()
+            finally:
+                with self._lock:
+                    self._pending -= 1
 
-        return self._executor.submit(run)
+        with self._lock:
+            self._pending += 1
+        try:
+            return self._executor.submit(run)
+        except BaseException:
+            with self._lock:
+                self._pending -= 1
+            raise
 
     def record_event(self) -> torch.cuda.Event | None:
         """On CUDA, record an event on the stream (call from inside a job); else ``None``."""
