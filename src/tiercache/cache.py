@@ -432,7 +432,7 @@ class TierCache:
     async def _ensure_host(self, num_tokens: int) -> bool:
         ctl = self.controller
         if ctl.host_allocator.available < num_tokens:
-            await self.evict_host(num_tokens - ctl.host_allocator.available)
+            self._evict_host_now(num_tokens - ctl.host_allocator.available)
         return ctl.host_allocator.available >= num_tokens
 
     async def evict_host(self, num_tokens: int) -> int:
@@ -440,7 +440,11 @@ class TierCache:
 
         Their pages stay in storage if they were backed up. Returns slots freed.
         """
-        ctl = self._check()
+        self._check()
+        return self._evict_host_now(num_tokens)
+
+    def _evict_host_now(self, num_tokens: int) -> int:
+        ctl = self.controller
         freed = 0
         if num_tokens <= 0:
             return 0
@@ -505,6 +509,11 @@ class TierCache:
         """Start a device->host write of ``node``; its storage backup follows the ack."""
         if node.on_host or node.device_indices is None or node.write_in_flight:
             return None
+        short = node.num_tokens - ctl.host_allocator.available
+        if short > 0:
+            # Make room on host by dropping LRU host-only nodes (those backed
+            # up to storage can come back from there).
+            self._evict_host_now(short)
         ack = ctl.submit_write(node.device_indices, node_id=node.id, track=False)
         if ack is None:
             return None  # host full: the node stays device-only
@@ -768,14 +777,23 @@ class TierCache:
     # -- flush, stats, waiting ----------------------------------------------------
 
     async def wait_idle(self) -> None:
-        """Wait for every copy, backup and background task in flight."""
+        """Wait for every copy, backup and background task in flight, and their completion callbacks."""
         ctl = self._check()
         while True:
             await ctl.wait_idle()
             await self._drain_tasks()
             if ctl.storage is not None:
                 await ctl.storage.wait_idle()
-            if not self._tasks and not ctl._inflight:
+            # Completions are delivered by callbacks scheduled on the loop:
+            # let them run, then check nothing new started.
+            await asyncio.sleep(0)
+            if (
+                not self._tasks
+                and not ctl._inflight
+                and not ctl._write_queue
+                and not self.index.pending_writes()
+                and (ctl.storage is None or not ctl.storage.busy)
+            ):
                 return
 
     async def flush(self) -> None:
