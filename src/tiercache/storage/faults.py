@@ -423,12 +423,15 @@ class FaultyBackend(StorageBackend):
             option_bool,
             option_float,
             option_int,
+            redact_url,
             url_options,
         )
 
         head, plus, inner_url = url.partition("+")
         if head.lower() != cls.name or not plus or not inner_url:
-            raise ConfigError(f"a faulty backend URL is 'faulty+<inner URL>', got {url!r}")
+            raise ConfigError(
+                f"a faulty backend URL is 'faulty+<inner URL>', got {redact_url(url)!r}"
+            )
         inner_base, merged = url_options(inner_url, options)
         fopts = {k: merged.pop(k) for k in list(merged) if k == "plan" or k.startswith("fault")}
         known = {
@@ -447,7 +450,9 @@ class FaultyBackend(StorageBackend):
                 raise ConfigError(f"plan must be a FaultPlan, got {type(plan).__name__}")
         else:
             if "fault" not in fopts:
-                raise ConfigError(f"{url!r}: say which fault to inject (fault=error, latency, ...)")
+                raise ConfigError(
+                    f"{redact_url(url)!r}: say which fault to inject (fault=error, latency, ...)"
+                )
             errors: dict[str, type[StorageError]] = {
                 c.__name__: c
                 for c in (

@@ -106,22 +106,14 @@ def _unsplit(scheme: str, netloc: str, path: str, query: str, fragment: str) -> 
 
 
 def mask_url(url: str) -> str:
-    """``url`` with any password (in the user info or a ``password=`` query) replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        if ":" in userinfo:
-            userinfo = userinfo.split(":", 1)[0] + ":" + _MASK
-        netloc = f"{userinfo}@{host}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, _MASK if k == "password" else v) for k, v in pairs], safe="*")
-    return _unsplit(parts.scheme, netloc, parts.path, query, parts.fragment)
+    """``url`` with any password (user info or secret query values) replaced by ``***``.
+
+    The registry's `redact_url`, which also handles an unescaped ``?`` or ``#``
+    inside a password.
+    """
+    from tiercache.storage.registry import redact_url
+
+    return redact_url(url)
 
 
 def _secrets_of(url: str) -> tuple[str, ...]:

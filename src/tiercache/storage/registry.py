@@ -81,7 +81,12 @@ _BUILTIN: dict[str, str] = {
     "file": "tiercache.storage.file:FileBackend",
     "redis": "tiercache.storage.redis:RedisBackend",
 }
-_ALIASES: dict[str, str] = {"rediss": "redis", "unix": "redis"}
+_ALIASES: dict[str, str] = {
+    "rediss": "redis",
+    "unix": "redis",
+    "redis+cluster": "redis",
+    "rediss+cluster": "redis",
+}
 _NAME_RE = re.compile(r"[a-z][a-z0-9+.-]*")
 _DOTTED_RE = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)")
 
@@ -214,6 +219,9 @@ def resolve_backend(name: str) -> BackendFactory:
     name = _ALIASES.get(name, name)
     if name in _registry:
         return _registry[name]
+    if name.startswith("faulty+"):
+        # Any backend wrapped in the fault injector: faulty+memory://, faulty+file:///...
+        return _import_object("tiercache.storage.faults:FaultyBackend", "backend 'faulty'")  # type: ignore[return-value]
     if name in _BUILTIN:
         try:
             return _import_object(_BUILTIN[name], f"backend {name!r}")  # type: ignore[return-value]
