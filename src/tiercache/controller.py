@@ -471,7 +471,10 @@ class TierController:
         stream = self._write_stream
         engine = self.engine
 
+        ready = self._compute_ready()
+
         def job() -> None:
+            stream.wait_for(ready)
             engine.backup_all_layers(plan)
             ev = stream.record_event()
             if ev is not None:
@@ -552,8 +555,11 @@ class TierController:
             self._loop, cuda=stream.is_cuda
         )
 
+        ready = self._compute_ready()
+
         def job() -> None:
             try:
+                stream.wait_for(ready)
                 events: list[torch.cuda.Event | None] = []
                 for i in range(num_layers):
                     engine.load_layer(i, plan)
@@ -575,6 +581,20 @@ class TierController:
         self.stats.bytes_host_to_device += engine.plan_bytes(plan)
         done = self._launch(stream, job, ops, layers, engine.plan_bytes(plan))
         return LoadHandle(producer_id, host, dev, layers, done, [o.ack for o in ops])
+
+    def _compute_ready(self) -> torch.cuda.Event | None:
+        """On CUDA, an event after the work queued so far on the caller's stream.
+
+        The copy stream waits for it, so a backup never reads KV the forward
+        pass is still writing and a load never overwrites slots it still reads
+        (SGLang's ``wait_stream(current_stream())``). ``None`` on a CPU device,
+        where the caller's work is already done when it calls us.
+        """
+        if self.device_pool.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record(torch.cuda.current_stream(self.device_pool.device))
+        return ev
 
     # -- completion -----------------------------------------------------------
 

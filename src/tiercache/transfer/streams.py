@@ -102,6 +102,11 @@ class CopyStream:
                 self._pending -= 1
             raise
 
+    def wait_for(self, event: torch.cuda.Event | None) -> None:
+        """On CUDA, make this stream wait for ``event`` (call from inside a job); else nothing."""
+        if event is not None and self.cuda_stream is not None:
+            self.cuda_stream.wait_event(event)
+
     def record_event(self) -> torch.cuda.Event | None:
         """On CUDA, record an event on the stream (call from inside a job); else ``None``."""
         if self.cuda_stream is None:
