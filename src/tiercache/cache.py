@@ -167,6 +167,7 @@ class TierCache:
         self._backups: set[BackupOperation] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._error: BaseException | None = None
+        self._open_requests = 0
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -384,29 +385,36 @@ class TierCache:
     async def evict_device(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots (fewer when the rest is locked), LRU leaves first.
 
-        A node whose pages are on host just leaves the device; one that is not
+        A node whose pages are on host just leaves the device. One that is not
         (``write_back``, or a host write that found no room) is written to host
-        first when room can be made, else dropped. Returns slots freed.
+        first; if that fails it is dropped when nothing below it needs it, and
+        kept otherwise. Returns slots freed.
         """
         ctl = self._check()
         freed = 0
         if num_tokens <= 0:
             return 0
         for node in self.index.evict_device_candidates(num_tokens):
-            if node.device_indices is None or node.lock_ref:
+            if node.device_indices is None or node.lock_ref or node.parent is None:
                 continue
-            if not node.on_host and not node.children:
-                if self.config.write_policy == "write_back" and await self._write_back(node):
-                    pass
-                else:
-                    dev = node.device_indices
-                    self.index.remove(node)
-                    ctl.evict_device(dev)
-                    freed += dev.numel()
-                    self._stats.device_evictions += 1
-                    self._stats.device_evicted_tokens += dev.numel()
-                    continue
-            if not node.on_host or node.write_in_flight or node.lock_ref:
+            if any(c.device_indices is not None for c in node.children.values()):
+                continue
+            if not node.on_host and not await self._write_back(node):
+                if node.children or node.lock_ref or node.host_pin or node.device_indices is None:
+                    continue  # its host-only children need its pages: keep it
+                dev = node.device_indices
+                self.index.remove(node)
+                ctl.evict_device(dev)
+                freed += dev.numel()
+                self._stats.device_evictions += 1
+                self._stats.device_evicted_tokens += dev.numel()
+                continue
+            if (
+                not node.on_host
+                or node.write_in_flight
+                or node.lock_ref
+                or node.device_indices is None
+            ):
                 continue
             if any(c.device_indices is not None for c in node.children.values()):
                 continue
@@ -418,7 +426,7 @@ class TierCache:
         return freed
 
     async def _write_back(self, node: Node) -> bool:
-        """``write_back``: copy ``node`` to host before it leaves the device."""
+        """Copy ``node`` to host (making room) and wait, before it leaves the device."""
         ctl = self.controller
         if not await self._ensure_host(node.num_tokens):
             return False
@@ -764,6 +772,7 @@ class TierCache:
             if h is not handle and prefix.numel() and bool(torch.isin(dev, prefix).any()):
                 loads.append(h)
         req = Request(self, toks, extra_key, prefix, loads, node)
+        self._open_requests += 1
         self._stats.requests += 1
         self._stats.tokens_requested += len(toks)
         device_hit = min(first_device, int(prefix.numel()))
@@ -772,7 +781,10 @@ class TierCache:
         try:
             yield req
         finally:
-            await req._release()
+            try:
+                await req._release()
+            finally:
+                self._open_requests -= 1
 
     # -- flush, stats, waiting ----------------------------------------------------
 
@@ -800,13 +812,14 @@ class TierCache:
         """Drop everything on the device and host tiers; keep storage (what a restart looks like).
 
         Raises:
-            StateError: a request still holds a lock.
+            StateError: a request is open or a node is locked (its slots
+                would be freed under it).
         """
         ctl = self._check()
+        if self._open_requests:
+            raise StateError(f"flush while {self._open_requests} request(s) are open")
         await self.wait_idle()
-        if any(n.lock_ref for n in self.index.roots()) or any(
-            n.lock_ref for n in self.index.nodes()
-        ):
+        if self._open_requests or any(n.lock_ref for n in self.index.nodes()):
             raise StateError("flush while requests hold locks")
         await ctl.reset()
         self.index.reset()
