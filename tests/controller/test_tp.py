@@ -29,7 +29,7 @@ async def test_two_ranks_with_different_hits_agree_on_the_min(tmp_path: Path) ->
         for rank, stored in ((0, 6), (1, 3))
     ]
     outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), timeout=90)
-    for p, (out, err) in zip(procs, outs, strict=True):
+    for p, (_out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err.decode()[-2000:]
     results = [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outs]
     # Rank 0 holds 6 pages, rank 1 holds 3: both load exactly 3 pages (48 tokens).
