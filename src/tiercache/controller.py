@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Self
 
+import numpy as np
 import torch
 
 from tiercache.errors import (
@@ -178,8 +179,33 @@ class _Operation:
     priority: int
     ack: CopyAck
     track: bool
-    host_pages: torch.Tensor
-    device_pages: torch.Tensor
+    host_pages: np.ndarray[Any, np.dtype[np.int64]]
+    device_pages: np.ndarray[Any, np.dtype[np.int64]]
+
+
+class _BusyPages:
+    """How many copies or storage calls use each page of a pool right now.
+
+    A numpy array rather than a tensor: an operation touches a handful of
+    pages, and numpy's fancy indexing costs about a microsecond where a torch
+    op costs several. Pages within one update are unique (they come from one
+    allocation), so ``counts[pages] += delta`` is exact.
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.counts = np.zeros(num_pages, dtype=np.int32)
+
+    def pages(self, indices: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Page ids of page-aligned CPU slot indices."""
+        return indices.numpy()[:: self.page_size] // self.page_size
+
+    def add(self, pages: np.ndarray[Any, np.dtype[np.int64]], delta: int) -> None:
+        if pages.size:
+            self.counts[pages] += delta
+
+    def any(self, pages: np.ndarray[Any, np.dtype[np.int64]]) -> bool:
+        return bool(pages.size) and bool(self.counts[pages].any())
 
 
 class TierController:
@@ -206,7 +232,8 @@ class TierController:
             engine's scheduler tick polls).
         inline_copy_bytes: on a CPU device, a merged copy this small runs on
             the loop thread when its stream is idle: a thread hand-off costs
-            more than moving a few KiB (0 disables it; CUDA never does).
+            more than moving this much (256 KiB: tens of microseconds of memcpy). 0
+            disables it; CUDA never runs copies inline.
         model: the model name folded into storage keys.
         tp_rank, tp_size: this tensor-parallel shard (folded into storage keys;
             for MLA only rank 0 writes to storage).
@@ -229,7 +256,7 @@ class TierController:
         write_policy: str = "write_through",
         auto_start_writes: bool = True,
         track_acks: bool = True,
-        inline_copy_bytes: int = 64 * 1024,
+        inline_copy_bytes: int = 256 * 1024,
         model: str = "default",
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -288,8 +315,8 @@ class TierController:
         self._closed = asyncio.Event()
         self._ids = itertools.count()
         # Pages with a copy queued or running, per pool: they may not be freed.
-        self._busy_device = torch.zeros(self.device_allocator.num_pages, dtype=torch.int32)
-        self._busy_host = torch.zeros(self.host_allocator.num_pages, dtype=torch.int32)
+        self._busy_device = _BusyPages(self.device_allocator.num_pages, ps)
+        self._busy_host = _BusyPages(self.host_allocator.num_pages, ps)
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -376,13 +403,13 @@ class TierController:
 
     # -- bookkeeping ----------------------------------------------------------
 
-    def _pages(self, indices: torch.Tensor) -> torch.Tensor:
-        return indices[:: self.layout.page_size] // self.layout.page_size
-
     def _mark_busy(self, op: _Operation, delta: int) -> None:
-        if op.host_pages.numel():
-            self._busy_host[op.host_pages] += delta
-            self._busy_device[op.device_pages] += delta
+        self._busy_host.add(op.host_pages, delta)
+        self._busy_device.add(op.device_pages, delta)
+
+    def _hold_host(self, host_indices: torch.Tensor, delta: int) -> None:
+        """Mark host slots in use by a storage call (+1) or release them (-1)."""
+        self._busy_host.add(self._busy_host.pages(host_indices), delta)
 
     def _new_op(
         self,
@@ -398,7 +425,15 @@ class TierController:
             raise InvalidInputError(f"priority must be an int, got {priority!r}")
         nid = next(self._ids) if node_id is None else node_id
         ack = CopyAck(kind, nid, host, dev, loop.create_future())
-        op = _Operation(host, dev, priority, ack, track, self._pages(host), self._pages(dev.cpu()))
+        op = _Operation(
+            host,
+            dev,
+            priority,
+            ack,
+            track,
+            self._busy_host.pages(host),
+            self._busy_device.pages(dev.cpu()),
+        )
         self._mark_busy(op, +1)
         return op
 
@@ -609,7 +644,7 @@ class TierController:
         assert self._loop is not None
         fut: asyncio.Future[None]
         if nbytes <= self.inline_copy_bytes and not stream.is_cuda and stream.idle:
-            # A copy of a few KiB takes less time than waking the worker
+            # A copy this small takes less time than waking the worker
             # thread and the loop again: run it here.
             fut = self._loop.create_future()
             try:
@@ -704,7 +739,7 @@ class TierController:
     def ack_busy(self, pool: Literal["device", "host"], indices: torch.Tensor) -> bool:
         """Whether any page of ``indices`` has a copy queued or in flight."""
         busy = self._busy_device if pool == "device" else self._busy_host
-        return bool(indices.numel()) and bool((busy[self._pages(indices.cpu())] > 0).any())
+        return busy.any(busy.pages(indices.cpu()))
 
     def evict_device(self, device_indices: torch.Tensor) -> int:
         """Free device slots (their host copies, if any, stay). Returns slots freed.

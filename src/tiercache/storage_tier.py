@@ -457,7 +457,7 @@ class StorageTier:
             return None
         op = PrefetchOperation(request_id, host, tokens, prior_hash, self._loop.create_future())
         self._held_tokens += op.num_tokens
-        self.controller._busy_host[self.controller._pages(host)] += 1
+        self.controller._hold_host(host, +1)
         self._ops.add(op)
         self.stats.prefetch_started += 1
         self._query_queue.put_nowait(op)
@@ -609,7 +609,7 @@ class StorageTier:
         elif state is PrefetchState.FAILED:
             self.stats.prefetch_failed += 1
         ctl = self.controller
-        ctl._busy_host[ctl._pages(op.host_indices)] -= 1
+        ctl._hold_host(op.host_indices, -1)
         rest = op.host_indices[op.completed_tokens :]
         if rest.numel():
             ctl.host_allocator.free(rest)
@@ -664,7 +664,7 @@ class StorageTier:
         done = self._loop.create_future()
         op = BackupOperation(node_id, host, hash_values or [], done)
         self.stats.backup_ops += 1
-        self.controller._busy_host[self.controller._pages(host)] += 1
+        self.controller._hold_host(host, +1)
         self._spawn(self._backup(op, tokens, prior_hash))
         return op
 
@@ -710,7 +710,7 @@ class StorageTier:
             op.error = e
             raise
         finally:
-            self.controller._busy_host[self.controller._pages(op.host_indices)] -= 1
+            self.controller._hold_host(op.host_indices, -1)
             self._finished_backups.append(op)
             if not op._done.done():
                 op._done.set_result(None)

@@ -68,7 +68,11 @@ class LayerDoneSet:
 
     def _call(self, fn: object, *args: object) -> None:
         try:
-            self.loop.call_soon_threadsafe(fn, *args)  # type: ignore[arg-type]
+            if threading.get_ident() == self._loop_thread:
+                # A copy run inline on the loop: no need to wake it up.
+                self.loop.call_soon(fn, *args)  # type: ignore[arg-type]
+            else:
+                self.loop.call_soon_threadsafe(fn, *args)  # type: ignore[arg-type]
         except RuntimeError:  # the loop is closed: nobody can await any more
             pass
 
