@@ -114,10 +114,11 @@ def _engine_rows(
         for hl in HOST_LAYOUTS:
             host = _warm(HostKVPool(layout, slots, host_layout=hl))
             engine = CopyEngine(device, host)
-            for pattern in ("contiguous", "scattered"):
-                scattered = pattern == "scattered"
-                h = _indices(num_tokens, ps, slots, scattered, seed=1)
-                d = _indices(num_tokens, ps, slots, scattered, seed=2)
+            # "host_scattered": LRU-scattered host pages loaded into a fresh
+            # (contiguous) device allocation, the usual load back.
+            for pattern in ("contiguous", "scattered", "host_scattered"):
+                h = _indices(num_tokens, ps, slots, pattern != "contiguous", seed=1)
+                d = _indices(num_tokens, ps, slots, pattern == "scattered", seed=2)
                 plan = engine.plan(h, d)
                 nbytes = engine.plan_bytes(plan)
 
@@ -141,7 +142,13 @@ def _engine_rows(
                         "host_layout": hl,
                         "pattern": pattern,
                         "pages": num_tokens // ps,
-                        "copy_path": "runs" if plan.runs is not None else "index",
+                        "copy_path": (
+                            "page gather (load)"
+                            if plan.device_runs is not None
+                            else "runs"
+                            if plan.runs is not None
+                            else "index"
+                        ),
                         "runs": len(plan.runs) if plan.runs is not None else None,
                         "bytes": nbytes,
                         "backup_s": t_backup,
@@ -364,6 +371,14 @@ def main(
                         TARGET_RATIO,
                     )
                 )
+        if r["page_size"] == 64 and r["pattern"] == "host_scattered":
+            heads.append(
+                headline(
+                    f"engine load / memcpy, page 64, scattered host -> fresh device run, {r['host_layout']}",
+                    r["load_ratio"],
+                    TARGET_RATIO,
+                )
+            )
     for r in controller_rows:
         for op in ("backup", "load_back"):
             heads.append(

@@ -441,3 +441,35 @@ async def test_tiny_copies_run_inline_on_an_idle_cpu_stream_and_stay_correct() -
         c.engine.backup_all_layers = record  # type: ignore[method-assign]
         await c.backup(src)
         assert seen and seen[0].startswith("tiercache-write")
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float8_e4m3fn])
+async def test_scattered_host_pages_load_by_page_gather_into_contiguous_device_runs(
+    host_layout: str, dtype: torch.dtype
+) -> None:
+    async with make(host_layout=host_layout, dtype=dtype) as c:
+        pages = 12
+        src = c.device_allocator.alloc(pages * 16)
+        assert src is not None
+        expect = kv_at(c, src)
+        host = await c.backup(src)
+        assert host is not None
+        shuffled = scattered_view(host, 16)
+        c.evict_device(src)
+        dst = c.device_allocator.alloc(pages * 16)
+        assert dst is not None
+        plan = c.engine.plan(shuffled, dst)
+        assert plan.device_runs is not None and len(plan.device_runs) == 1  # the gather path
+        for layer in range(c.layout.num_layers):
+            c.engine.load_layer(layer, plan)
+        order = torch.argsort(shuffled.view(-1, 16)[:, 0])
+        # dst page k received shuffled host page k; map back to src order
+        got = kv_at(c, dst.view(-1, 16)[order].reshape(-1))
+        for e, g in zip(expect, got, strict=True):
+            assert torch.equal(e.view(torch.uint8), g.view(torch.uint8))
+
+
+def scattered_view(slots: torch.Tensor, ps: int) -> torch.Tensor:
+    order = torch.randperm(slots.numel() // ps, generator=torch.Generator().manual_seed(7))
+    return slots.view(-1, ps)[order].reshape(-1)

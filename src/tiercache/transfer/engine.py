@@ -18,6 +18,20 @@ __all__ = ["CopyEngine", "TransferPlan"]
 #: Runs win while each run's copy is long compared with a call's overhead.
 _RUN_BREAK_EVEN_BYTES = 32 * 1024
 
+#: A load whose device side is at most this many contiguous runs gathers whole
+#: host pages into them with one ``index_select(..., out=run)`` per run: one
+#: pass over the bytes, in the widest integer type the rows allow.
+_MAX_GATHER_RUNS = 8
+
+
+def _int_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its (contiguous) last dim reinterpreted as the widest int type that divides it."""
+    row = t.shape[-1] * t.element_size()
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if row % size == 0 and t.element_size() <= size:
+            return t.view(dtype)
+    return t.view(torch.uint8)
+
 
 @dataclass(frozen=True, slots=True)
 class TransferPlan:
@@ -32,6 +46,12 @@ class TransferPlan:
     device_indices: torch.Tensor  # on the device pool's device
     runs: tuple[tuple[int, int, int], ...] | None
     num_tokens: int
+    #: Contiguous runs on the device side alone, as ``(first page of the plan,
+    #: device start slot, pages)``, and the host page ids in plan order; set
+    #: when the device side is a few runs (what a fresh allocation gives): a
+    #: load then gathers whole host pages straight into those runs.
+    device_runs: tuple[tuple[int, int, int], ...] | None = None
+    host_pages: torch.Tensor | None = None
 
     @property
     def empty(self) -> bool:
@@ -91,7 +111,26 @@ class CopyEngine:
         n = host.numel()
         runs = self._runs(host, dev) if n else ()
         dev_on_device = dev.to(self.device, non_blocking=True) if self.device.type != "cpu" else dev
-        return TransferPlan(host, dev_on_device, runs, n)
+        device_runs, host_pages = None, None
+        if (runs is None or len(runs) > 4) and self.device.type == "cpu":
+            device_runs = self._device_runs(dev)
+            if device_runs is not None:
+                host_pages = host[::ps] // ps
+        return TransferPlan(host, dev_on_device, runs, n, device_runs, host_pages)
+
+    def _device_runs(self, dev: torch.Tensor) -> tuple[tuple[int, int, int], ...] | None:
+        """Contiguous runs of the device side alone, or ``None`` when there are many."""
+        ps = self.layout.page_size
+        dp = dev[::ps]
+        if dp.numel() == 1:
+            breaks = torch.zeros(0, dtype=torch.int64)
+        else:
+            breaks = torch.nonzero((dp[1:] - dp[:-1]) != ps).flatten() + 1
+        if breaks.numel() + 1 > _MAX_GATHER_RUNS:
+            return None
+        starts = [0, *breaks.tolist()]
+        ends = [*breaks.tolist(), dp.numel()]
+        return tuple((a, int(dp[a]), e - a) for a, e in zip(starts, ends, strict=True))
 
     def _runs(
         self, host: torch.Tensor, dev: torch.Tensor
@@ -169,12 +208,30 @@ class CopyEngine:
         for b in range(self.layout.num_buffers):
             src = self.host_pool.layer(b, layer)
             dst = self.device_pool.buffers[b][layer]
-            if plan.runs is not None:
+            if plan.device_runs is not None and plan.host_pages is not None:
+                self._gather_pages(src, dst, plan.device_runs, plan.host_pages)
+            elif plan.runs is not None:
                 for h0, d0, n in plan.runs:
                     dst[d0 : d0 + n].copy_(src[h0 : h0 + n], non_blocking=nb)
             else:
                 gathered = src.index_select(0, plan.host_indices)
                 dst.index_copy_(0, plan.device_indices, gathered.to(self.device, non_blocking=nb))
+
+    def _gather_pages(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        dst_runs: tuple[tuple[int, int, int], ...],
+        src_pages: torch.Tensor,
+    ) -> None:
+        """Copy whole pages ``src_pages`` of ``src`` into contiguous runs of ``dst`` (CPU only)."""
+        ps = self.layout.page_size
+        # (pages, ps, H*D): each token's heads are contiguous in every layout.
+        row = src.shape[1] * src.shape[2]
+        pages = _int_view(src.view(-1, ps, row))
+        for first, d0, n in dst_runs:
+            out = _int_view(dst[d0 : d0 + n * ps].view(n, ps, row))
+            torch.index_select(pages, 0, src_pages[first : first + n], out=out)
 
     def plan_bytes(self, plan: TransferPlan) -> int:
         """Bytes ``plan`` moves across all layers."""
