@@ -72,7 +72,11 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 from urllib.parse import unquote, urlsplit
 
+import aiofiles
+import aiofiles.os
+
 from tiercache.errors import ConfigError, StorageCorruptionError, StorageError
+from tiercache.index.hashing import validate_key
 from tiercache.storage.base import BackendState, BackendStats, PageBuffer, PageKey, StorageBackend
 from tiercache.storage.format import HEADER_FIXED, pack_page, unpack_page
 from tiercache.storage.memory import check_batch
@@ -401,6 +405,44 @@ class FileBackend(StorageBackend):
         except OSError as e:
             self._stats.errors += 1
             raise StorageError(f"file backend: cannot clear {self.root}: {e}") from e
+
+    # --- raw access (tools and fault injection; not a hot path) ----------------------------
+
+    async def read_raw(self, key: PageKey) -> bytes | None:
+        """The stored file of ``key`` exactly as it is on disk (header included), or ``None``.
+
+        For tools and for `FaultyBackend.corrupt_stored`: nothing is checked.
+        Uses aiofiles, one whole-file read.
+        """
+        k = validate_key(key)
+        await self._ready()
+        try:
+            async with aiofiles.open(self._path(k), "rb") as f:
+                return await f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StorageError(f"file backend: cannot read {k}: {e}") from e
+
+    async def write_raw(self, key: PageKey, data: bytes) -> None:
+        """Replace the stored file of ``key`` with ``data`` verbatim (no header, no checks).
+
+        Meant for damaging a page on purpose in tests; a real write goes
+        through `batch_set`. Written in place (not atomically), as damage at
+        rest would be.
+        """
+        k = validate_key(key)
+        await self._ready()
+        path = self._path(k)
+        try:
+            await aiofiles.os.makedirs(path.parent, mode=self.dir_mode, exist_ok=True)
+            mode = self.file_mode
+            async with aiofiles.open(path, "wb", opener=lambda p, fl: os.open(p, fl, mode)) as f:
+                await f.write(data)
+        except OSError as e:
+            raise StorageError(f"file backend: cannot write {k}: {e}") from e
+        self._forget(k)
+        self._adopt(k, len(data))
 
     async def stats(self) -> BackendStats:
         s = await super().stats()
