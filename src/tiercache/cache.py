@@ -28,11 +28,11 @@ import logging
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, Self
 
 import torch
 
+from tiercache._resource import AsyncResource
 from tiercache.config import TierCacheConfig
 from tiercache.controller import CopyAck, LoadHandle, TierController
 from tiercache.errors import CapacityError, ClosedError, InvalidInputError, StateError
@@ -121,7 +121,7 @@ class CacheMatch:
     extra_key: str | None
 
 
-class TierCache:
+class TierCache(AsyncResource):
     """A tiered KV cache: device pool, host pool and an optional storage backend.
 
     Args:
@@ -244,16 +244,8 @@ class TierCache:
         self.state = CacheState.OPEN
         return self
 
-    async def __aenter__(self) -> Self:
-        return await self.open()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
+    async def _aenter(self) -> None:
+        await self.open()
 
     async def aclose(self) -> None:
         """Wait for copies and backups, stop storage, close the controller. Idempotent."""

@@ -16,12 +16,12 @@ import logging
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Literal, Self
 
 import numpy as np
 import torch
 
+from tiercache._resource import AsyncResource
 from tiercache.errors import (
     BackendUnavailableError,
     ClosedError,
@@ -208,7 +208,7 @@ class _BusyPages:
         return bool(pages.size) and bool(self.counts[pages].any())
 
 
-class TierController:
+class TierController(AsyncResource):
     """Moves KV pages between a device pool, a host pool and (optionally) storage.
 
     Verbs follow SGLang's ``HiCacheController``: `write` queues a device->host
@@ -336,16 +336,8 @@ class TierController:
         self.state = ControllerState.OPEN
         return self
 
-    async def __aenter__(self) -> Self:
-        return await self.open()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
+    async def _aenter(self) -> None:
+        await self.open()
 
     async def aclose(self) -> None:
         """Start what is queued, wait for every copy in flight, stop the streams.

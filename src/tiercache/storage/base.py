@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import enum
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import NewType, Self
+from typing import NewType
 
+from tiercache._resource import AsyncResource
 from tiercache.errors import BackendUnavailableError
 from tiercache.memory.pages import PageBuffer
 
@@ -41,7 +41,7 @@ class BackendStats:
     extra: dict[str, int | float | str] = field(default_factory=dict)
 
 
-class StorageBackend(ABC):
+class StorageBackend(AsyncResource):
     """An async map from page key to one page's bytes.
 
     Every method is a coroutine called from the event loop that owns the
@@ -109,14 +109,5 @@ class StorageBackend(ABC):
         if self.state is BackendState.CLOSED:
             raise BackendUnavailableError(f"the {self.name} backend is closed")
 
-    async def __aenter__(self) -> Self:
+    async def _aenter(self) -> None:
         self._check_open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
