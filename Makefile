@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 # The CPU build of torch: an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test test-fast bench bench-quick stress lint typecheck check clean
+.PHONY: install run test bench bench-quick stress lint typecheck check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,7 @@ bench-quick: install
 	$(PY) -m tiercache bench --quick
 
 stress: install
-	TIERCACHE_STRESS_SECONDS=120 $(PY) -m pytest -q -m slow tests/test_stress.py
+	TIERCACHE_STRESS_SECONDS=120 $(PY) -m pytest -q -s tests/test_stress.py
 
 lint: install
 	$(VENV)/bin/ruff check src tests examples benchmarks

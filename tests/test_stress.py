@@ -74,7 +74,7 @@ def check_accounting(cache: TierCache) -> None:
     assert not any(n.lock_ref for n in cache.index.nodes())
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(max(120, int(SECONDS * 2) + 60))
 async def test_concurrent_requests_with_cancellations_and_storage_faults() -> None:
     rng = random.Random(1234)
     plan = FaultPlan.of(
