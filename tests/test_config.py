@@ -1,0 +1,122 @@
+"""TierCacheConfig: keywords, dict, TOML file and TIERCACHE_* environment, validated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiercache import TierCacheConfig
+from tiercache.errors import ConfigError
+
+
+def test_keywords_and_derived_values() -> None:
+    c = TierCacheConfig(
+        num_layers=8,
+        num_kv_heads=4,
+        head_dim=64,
+        dtype="bfloat16",
+        page_size=64,
+        device_tokens=4096,
+        host_ratio=3.0,
+    )
+    assert c.dtype is torch.bfloat16
+    assert c.layout().page_bytes == 64 * 2 * 8 * 4 * 64 * 2
+    assert c.resolved_host_tokens() == 3 * 4096
+    assert (
+        TierCacheConfig(
+            page_size=16, host_size_bytes=10 * c.layout().page_bytes
+        ).resolved_host_tokens()
+        > 0
+    )
+    # SGLang's timeout policy defaults: 1 s + 0.25 s per 1k tokens, capped.
+    assert c.prefetch_timeout(4096) == pytest.approx(2.0)
+    assert c.prefetch_timeout(10**9) == c.prefetch_timeout_max
+
+
+def test_from_dict_rejects_unknown_keys() -> None:
+    assert TierCacheConfig.from_dict({"page_size": 32, "device_tokens": 64}).page_size == 32
+    with pytest.raises(ConfigError, match="pagesize"):
+        TierCacheConfig.from_dict({"pagesize": 32})
+    with pytest.raises(ConfigError):
+        TierCacheConfig.from_dict([("page_size", 32)])  # type: ignore[arg-type]
+
+
+def test_from_toml_table_or_whole_file(tmp_path: Path) -> None:
+    p = tmp_path / "tc.toml"
+    p.write_text(
+        '[tiercache]\npage_size = 64\ndevice_tokens = 1024\nstorage_url = "memory://"\n'
+        'storage_options = { capacity_bytes = 1000000 }\nprefetch_policy = "timeout"\n'
+    )
+    c = TierCacheConfig.from_toml(p)
+    assert (c.page_size, c.storage_url, c.prefetch_policy) == (64, "memory://", "timeout")
+    assert c.storage_options == {"capacity_bytes": 1000000}
+    flat = tmp_path / "flat.toml"
+    flat.write_text("page_size = 32\ndevice_tokens = 64\n")
+    assert TierCacheConfig.from_toml(flat).page_size == 32
+    bad = tmp_path / "bad.toml"
+    bad.write_text("page_size = [")
+    with pytest.raises(ConfigError):
+        TierCacheConfig.from_toml(bad)
+    with pytest.raises(ConfigError):
+        TierCacheConfig.from_toml(tmp_path / "missing.toml")
+
+
+def test_from_env_parses_by_field_type_and_overrides_win() -> None:
+    env = {
+        "TIERCACHE_PAGE_SIZE": "64",
+        "TIERCACHE_DEVICE_TOKENS": "2048",
+        "TIERCACHE_DTYPE": "float16",
+        "TIERCACHE_MLA": "false",
+        "TIERCACHE_NUM_KV_HEADS": "1",
+        "TIERCACHE_HOST_TOKENS": "none",
+        "TIERCACHE_PREFETCH_TIMEOUT_BASE": "0.5",
+        "TIERCACHE_STORAGE_OPTIONS": "capacity_bytes=100,fsync=1",
+        "TIERCACHE_SOMETHING_ELSE": "ignored",
+        "UNRELATED": "x",
+    }
+    c = TierCacheConfig.from_env(env, model="m")
+    assert (c.page_size, c.device_tokens, c.dtype, c.mla, c.host_tokens) == (
+        64,
+        2048,
+        torch.float16,
+        False,
+        None,
+    )
+    assert c.prefetch_timeout_base == 0.5 and c.model == "m"
+    assert c.storage_options == {"capacity_bytes": "100", "fsync": "1"}
+    assert TierCacheConfig.from_env(env, page_size=16, device_tokens=16).page_size == 16
+    with pytest.raises(ConfigError, match="TIERCACHE_PAGE_SIZE"):
+        TierCacheConfig.from_env({"TIERCACHE_PAGE_SIZE": "sixty-four"})
+    with pytest.raises(ConfigError):
+        TierCacheConfig.from_env({"TIERCACHE_MLA": "maybe"})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"page_size": 0},
+        {"page_size": 16, "device_tokens": 100},
+        {"write_policy": "write_sometimes"},
+        {"prefetch_policy": "eventually"},
+        {"host_layout": "token_first"},
+        {"dtype": "float64"},
+        {"tp_rank": 2, "tp_size": 2},
+        {"host_tokens": 64, "host_size_bytes": 1 << 20},
+        {"storage_timeout_s": 0},
+        {"prefetch_timeout_base": -1},
+        {"model": ""},
+        {"mla": True, "num_kv_heads": 4},
+        {"num_layers": True},
+        {"storage_url": ""},
+    ],
+)
+def test_bad_values_raise_config_error_naming_the_field(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        TierCacheConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_to_dict_round_trips() -> None:
+    c = TierCacheConfig(page_size=32, device_tokens=256, dtype="float16", storage_options={"a": 1})
+    assert TierCacheConfig.from_dict(c.to_dict()) == c
