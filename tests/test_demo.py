@@ -19,6 +19,7 @@ from tiercache.models.tiny import TinyCausalLM
 
 
 def test_quick_demo_tokens_and_prefill_reduction(tmp_path: Path) -> None:
+    # A relative --dir, run from another folder: what `make run` does.
     r = subprocess.run(
         [
             sys.executable,
@@ -28,15 +29,17 @@ def test_quick_demo_tokens_and_prefill_reduction(tmp_path: Path) -> None:
             "--quick",
             "--no-progress",
             "--dir",
-            str(tmp_path),
+            "demo-out",
         ],
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=tmp_path,
     )
+    out = tmp_path / "demo-out"
     assert r.returncode == 0, r.stdout + r.stderr
     assert "identical in every configuration" in r.stdout
-    report = json.loads((tmp_path / "demo.json").read_text())
+    report = json.loads((out / "demo.json").read_text())
     assert report["tokens_identical"] is True
     assert list(report["configs"]) == list(CONFIG_NAMES)
     wl = build_workload(settings_for(quick=True), model_config().vocab_size)

@@ -226,7 +226,7 @@ def demo_configs(store: Path, settings: DemoSettings) -> dict[str, tuple[TierCac
         "all_tiers": (
             base.replace(
                 **small,
-                storage_url=f"file://{store}",
+                storage_url=store.resolve().as_uri(),
                 prefetch_threshold=PAGE_SIZE,
                 prefetch_policy="wait_complete",
             ),
