@@ -47,7 +47,11 @@ def test_runner_writes_transfer_and_controller_results(tmp_path: Path) -> None:
     assert transfer["torch_threads"] >= 1
     assert {r["page_size"] for r in transfer["engine"]} == {1, 16, 64}
     assert {r["host_layout"] for r in transfer["engine"]} == {"layer_first", "page_first"}
-    assert {r["pattern"] for r in transfer["engine"]} == {"contiguous", "scattered", "host_scattered"}
+    assert {r["pattern"] for r in transfer["engine"]} == {
+        "contiguous",
+        "scattered",
+        "host_scattered",
+    }
     for r in transfer["engine"]:
         for key in ("backup_gbps", "load_gbps", "memcpy_gbps", "backup_ratio", "load_ratio"):
             assert _positive(r[key]), (key, r)
