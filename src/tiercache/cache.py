@@ -40,7 +40,7 @@ from tiercache.index.radix import MatchResult, Node, RadixIndex
 from tiercache.memory.allocator import PageAllocator
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
 from tiercache.storage.base import StorageBackend
-from tiercache.storage_tier import BackupOperation, PrefetchOperation, StorageTierConfig
+from tiercache.storage_tier import BackupOperation, PrefetchOperation
 
 __all__ = ["CacheMatch", "CacheState", "CacheStats", "Request", "TierCache"]
 
@@ -219,19 +219,7 @@ class TierCache(AsyncResource):
             tp_rank=cfg.tp_rank,
             tp_size=cfg.tp_size,
             tp_group=self._tp_group,
-            storage_config=StorageTierConfig(
-                prefetch_threshold=cfg.prefetch_threshold,
-                query_batch_pages=cfg.storage_query_batch_pages,
-                io_batch_pages=cfg.storage_io_batch_pages,
-                io_concurrency=cfg.storage_io_concurrency,
-                backup_batch_pages=cfg.storage_backup_batch_pages,
-                prefetch_capacity_tokens=cfg.prefetch_capacity_tokens,
-                timeout_s=cfg.storage_timeout_s,
-                fault_policy=cfg.storage_fault_policy,
-                fault_threshold=cfg.storage_fault_threshold,
-                reconnect_backoff_s=cfg.storage_reconnect_backoff_s,
-                reconnect_backoff_max_s=cfg.storage_reconnect_backoff_max_s,
-            ),
+            storage_config=cfg.storage_tier_config(),
         )
         await ctl.open()
         try:

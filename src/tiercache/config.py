@@ -16,7 +16,7 @@ from tiercache.controller import WRITE_POLICIES
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.memory.layout import SUPPORTED_DTYPES, KVLayout, dtype_name
 from tiercache.memory.pools import HOST_LAYOUTS
-from tiercache.storage_tier import FAULT_POLICIES
+from tiercache.storage_tier import FAULT_POLICIES, StorageTierConfig
 
 __all__ = ["PREFETCH_POLICIES", "WRITE_POLICIES", "TierCacheConfig"]
 
@@ -217,6 +217,22 @@ class TierCacheConfig:
         if self.host_size_bytes is not None:
             return max(ps, self.host_size_bytes // self.layout().page_bytes * ps)
         return max(ps, int(self.device_tokens * self.host_ratio) // ps * ps)
+
+    def storage_tier_config(self) -> StorageTierConfig:
+        """The controller's storage knobs (`StorageTierConfig`) these fields describe."""
+        return StorageTierConfig(
+            prefetch_threshold=self.prefetch_threshold,
+            query_batch_pages=self.storage_query_batch_pages,
+            io_batch_pages=self.storage_io_batch_pages,
+            io_concurrency=self.storage_io_concurrency,
+            backup_batch_pages=self.storage_backup_batch_pages,
+            prefetch_capacity_tokens=self.prefetch_capacity_tokens,
+            timeout_s=self.storage_timeout_s,
+            fault_policy=self.storage_fault_policy,
+            fault_threshold=self.storage_fault_threshold,
+            reconnect_backoff_s=self.storage_reconnect_backoff_s,
+            reconnect_backoff_max_s=self.storage_reconnect_backoff_max_s,
+        )
 
     def prefetch_timeout(self, num_tokens: int) -> float:
         """The ``timeout`` policy's deadline for a prefetch of ``num_tokens`` tokens."""

@@ -723,23 +723,25 @@ class StorageTier:
 
     # -- lifecycle ------------------------------------------------------------
 
+    def _work(self) -> list[asyncio.Task[Any]]:
+        """Load and backup tasks: not the query loop, not the reconnect probe."""
+        return [t for t in self._tasks if t is not self._query_task and t is not self._probe]
+
     @property
     def busy(self) -> bool:
-        return bool(self._ops) or len(self._tasks) > 1
+        """A prefetch or a backup is running (a reconnect probe does not count)."""
+        return bool(self._ops) or bool(self._work())
 
     async def wait_idle(self) -> None:
-        """Return once no prefetch or backup is running."""
-        while self._ops or len(self._tasks) > 1:
-            await asyncio.gather(
-                *[t for t in self._tasks if t is not self._query_task], return_exceptions=True
-            )
-            await asyncio.sleep(0)
-            if (
-                self._ops
-                and not any(t is not self._query_task for t in self._tasks)
-                and self._query_queue.empty()
-            ):
-                await asyncio.sleep(0.001)
+        """Return once no prefetch or backup is running (a probe of a down backend may go on)."""
+        while True:
+            work = self._work()
+            if work:
+                await asyncio.gather(*work, return_exceptions=True)
+            elif self._ops:
+                await asyncio.sleep(0.001)  # operations still in the query coroutine
+            else:
+                return
 
     async def stop(self) -> None:
         """Terminate every prefetch, cancel every backup, stop the query coroutine.

@@ -127,6 +127,10 @@ async def test_cache_stats_show_outages() -> None:
         for i in range(3):
             assert await cache.prefetch(list(range(i, i + 4 * PS))) == 0
         assert cache.stats().storage_outages == 1
+        # The probe of the down backend keeps running; waiting for idle does not wait for it.
+        async with asyncio.timeout(5):
+            await cache.wait_idle()
+        assert cache.controller.storage is not None and cache.controller.storage.down
 
 
 def test_bad_fault_policy_is_a_config_error() -> None:
