@@ -141,7 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", default="", help="comma-separated names, e.g. transfer,controller"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results folder (default: benchmarks/results, or benchmarks/results/<mode> for "
+        "--quick and --smoke, so a smoke run never overwrites full results)",
+    )
     args = parser.parse_args(argv)
 
     available = discover()
@@ -151,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [n for n in names if n not in available]
         if unknown:
             parser.error(f"unknown benchmark(s) {unknown}; available: {available}")
-    out_dir: Path = args.out
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    out_dir: Path = args.out or (RESULTS_DIR if mode == "full" else RESULTS_DIR / mode)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     print(f"benchmarks ({mode}): {', '.join(names)} -> {out_dir}", flush=True)
     t0 = time.perf_counter()
     entries = []
