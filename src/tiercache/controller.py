@@ -310,6 +310,7 @@ class TierController(AsyncResource):
         self._write_queue: list[_Operation] = []
         self._load_queue: list[_Operation] = []
         self._write_start_scheduled = False
+        self._load_start_scheduled = False
         self._finished: deque[CopyAck] = deque()
         self._inflight: set[asyncio.Future[None]] = set()
         self._closed = asyncio.Event()
@@ -377,9 +378,11 @@ class TierController(AsyncResource):
 
     async def wait_idle(self) -> None:
         """Return once no copy is queued or in flight (errors are not raised here)."""
-        while self._inflight or self._write_queue:
+        while self._inflight or self._write_queue or self._load_start_scheduled:
             if self._write_queue and not self._write_start_scheduled:
                 self._start_writes_now()
+            if self._load_start_scheduled:
+                self._start_loads_now()
             await asyncio.gather(*list(self._inflight), return_exceptions=True)
             await asyncio.sleep(0)
 
@@ -568,6 +571,7 @@ class TierController(AsyncResource):
         return self._start_loads_now()
 
     def _start_loads_now(self) -> LoadHandle | None:
+        self._load_start_scheduled = False
         ops, self._load_queue = self._load_queue, []
         if not ops or self._load_stream is None or self._loop is None:
             return None
@@ -701,7 +705,10 @@ class TierController(AsyncResource):
         return ack.host_indices
 
     async def load_back(self, host_indices: torch.Tensor, priority: int = 0) -> torch.Tensor | None:
-        """Load host slots into new device slots (starting the load now) and wait for all layers.
+        """Load host slots into new device slots and wait for all layers.
+
+        The load starts on the next loop iteration, merged with the loads
+        other tasks queue in the same iteration (as writes are).
 
         Returns:
             The device slots (the caller owns them), or ``None`` when device memory is full.
@@ -712,7 +719,10 @@ class TierController(AsyncResource):
         ack = self.submit_load(host_indices, priority, track=False)
         if ack is None:
             return None
-        self.start_loading()
+        if not self._load_start_scheduled:
+            self._load_start_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._start_loads_now)
         await self._await_or_release(ack, lambda: self.device_allocator.free(ack.device_indices))
         return ack.device_indices
 

@@ -473,3 +473,20 @@ async def test_scattered_host_pages_load_by_page_gather_into_contiguous_device_r
 def scattered_view(slots: torch.Tensor, ps: int) -> torch.Tensor:
     order = torch.randperm(slots.numel() // ps, generator=torch.Generator().manual_seed(7))
     return slots.view(-1, ps)[order].reshape(-1)
+
+
+async def test_concurrent_load_backs_merge_into_one_copy() -> None:
+    async with make() as c:
+        hosts = []
+        for _ in range(4):
+            src = c.device_allocator.alloc(16)
+            assert src is not None
+            h = await c.backup(src)
+            assert h is not None
+            hosts.append((h, kv_at(c, src)))
+        before = c.stats.load_batches
+        dsts = await asyncio.gather(*(c.load_back(h) for h, _ in hosts))
+        assert c.stats.load_batches == before + 1
+        for d, (_, expect) in zip(dsts, hosts, strict=True):
+            assert d is not None
+            assert all(torch.equal(e, g) for e, g in zip(expect, kv_at(c, d), strict=True))
