@@ -582,16 +582,7 @@ class FaultyBackend(StorageBackend):
         d = await self._before("get")
         partial = [st for st in d.shaping if st.spec.kind is FaultKind.PARTIAL]
         damage = [st for st in d.shaping if st.spec.kind is not FaultKind.PARTIAL]
-        idx = list(range(len(keys)))
-        for st in partial:
-            assert d.rng is not None
-            if not idx:
-                st.faults -= 1
-                continue
-            kept = self._subset(st.spec, len(idx), d.rng)
-            self._record(st, d, f"kept {len(kept)} of {len(idx)} pages")
-            self._pages_dropped += len(idx) - len(kept)
-            idx = [idx[i] for i in kept]
+        idx = self._thin(d, partial, list(range(len(keys))), "kept", "pages")
         sub_keys = [keys[i] for i in idx]
         if damage:
             # Read into scratch buffers so damaged bytes reach the caller only
@@ -618,16 +609,7 @@ class FaultyBackend(StorageBackend):
         if len(keys) != len(pages):
             raise InvalidInputError(f"{len(keys)} keys but {len(pages)} pages")
         d = await self._before("set")
-        idx = list(range(len(keys)))
-        for st in d.shaping:
-            assert d.rng is not None
-            if not idx:
-                st.faults -= 1
-                continue
-            kept = self._subset(st.spec, len(idx), d.rng)
-            self._record(st, d, f"wrote {len(kept)} of {len(idx)} pages")
-            self._pages_dropped += len(idx) - len(kept)
-            idx = [idx[i] for i in kept]
+        idx = self._thin(d, d.shaping, list(range(len(keys))), "wrote", "pages")
         if len(idx) == len(keys):
             out = await self._forward(d, [], self.inner.batch_set(keys, pages))
         else:
@@ -643,19 +625,28 @@ class FaultyBackend(StorageBackend):
 
     async def delete(self, keys: Sequence[PageKey]) -> int:
         d = await self._before("delete")
-        sub = list(keys)
-        for st in d.shaping:
-            assert d.rng is not None
-            if not sub:
-                st.faults -= 1
-                continue
-            kept = self._subset(st.spec, len(sub), d.rng)
-            self._record(st, d, f"deleted {len(kept)} of {len(sub)} keys")
-            self._pages_dropped += len(sub) - len(kept)
-            sub = [sub[i] for i in kept]
+        sub = self._thin(d, d.shaping, list(keys), "deleted", "keys")
         n = await self._forward(d, [], self.inner.delete(sub)) if sub else 0
         await self._after(d)
         return n
+
+    def _thin(
+        self, d: _Decision, specs: list[_SpecState], items: list[_T], verb: str, unit: str
+    ) -> list[_T]:
+        """Apply each ``PARTIAL`` spec of ``specs`` in turn: keep a subset of ``items``.
+
+        A spec that finds nothing left to drop gives its fault back.
+        """
+        for st in specs:
+            assert d.rng is not None
+            if not items:
+                st.faults -= 1
+                continue
+            kept = self._subset(st.spec, len(items), d.rng)
+            self._record(st, d, f"{verb} {len(kept)} of {len(items)} {unit}")
+            self._pages_dropped += len(items) - len(kept)
+            items = [items[i] for i in kept]
+        return items
 
     async def clear(self) -> None:
         d = await self._before("clear")
