@@ -307,7 +307,7 @@ class TierCache(AsyncResource):
         if isinstance(tokens, torch.Tensor):
             if tokens.dim() != 1 or tokens.dtype.is_floating_point:
                 raise InvalidInputError("tokens must be a 1-D integer tensor or a sequence of ints")
-            return [int(t) for t in tokens.tolist()]
+            return list(tokens.tolist())
         if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
             raise InvalidInputError(
                 f"tokens must be a sequence of ints, got {type(tokens).__name__}"
