@@ -5,7 +5,13 @@ PY      = $(VENV)/bin/python
 # The CPU build of torch: an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test bench bench-quick stress lint typecheck check clean
+.PHONY: install run test test-core test-engines bench bench-quick stress lint typecheck check clean
+
+# Engine integration suites (mk/*.mk) each add their target to ENGINE_TESTS. Each one
+# builds its own virtual environment with the engine installed --no-deps at a pinned
+# version: engines are test-only, never dependencies of the package.
+ENGINE_TESTS :=
+-include mk/*.mk
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +25,13 @@ install: $(VENV)/.installed
 run: install
 	$(PY) -m tiercache demo
 
-test: install
+test: test-core test-engines
+
+test-core: install
 	@command -v redis-server >/dev/null 2>&1 || bash .ci/install-redis || true
 	$(PY) -m pytest -q
+
+test-engines: $(ENGINE_TESTS)
 
 bench: install
 	$(PY) -m tiercache bench
