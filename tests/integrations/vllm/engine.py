@@ -22,6 +22,7 @@ VLLM_VERSION = "0.33.0"
 #: imported once here with warnings silenced, since pytest turns warnings into
 #: errors.
 VLLM_MODULES = (
+    "vllm.config.kv_transfer",
     "vllm.v1.kv_offload.tiering.factory",
     "vllm.v1.kv_offload.tiering.spec",
     "vllm.v1.kv_offload.tiering.manager",
