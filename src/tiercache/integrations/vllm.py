@@ -409,9 +409,14 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         # block is only useful after every block before it.
         groups: dict[str, list[tuple[int, int, OffloadKey]]] = {}
         for i, (key, ctx) in enumerate(batch):
+            probe = self._probes.get(key)
+            if probe is None or probe.in_flight or probe.result is not None:
+                continue  # its request finished before the query left, or queued twice
+            probe.in_flight = True
             pos = ctx.get_offload_key_position(key)
             groups.setdefault(ctx.req_id, []).append((pos if pos is not None else -1, i, key))
-            self._probes[key].in_flight = True
+        if not groups:
+            return
         key_groups = [[k for _, _, k in sorted(g)] for g in groups.values()]
         page_groups = [[self.page_key(k) for k in g] for g in key_groups]
         try:

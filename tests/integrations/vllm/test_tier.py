@@ -171,6 +171,28 @@ def test_a_block_never_stored_is_a_miss(tmp_path: Path, instances: list[Instance
     assert names(history) == [["RETRY"] * 3, ["MISS"] * 3]
 
 
+def test_request_finishing_before_its_query_leaves(
+    tmp_path: Path, instances: list[Instance]
+) -> None:
+    a = Instance([tier_config(f"file://{tmp_path}")])
+    instances.append(a)
+    keys = make_keys(2)
+    a.store(keys, payloads(2, BLOCK))
+    tier = a.tier
+    early = a.request()
+    assert [tier.lookup(k, early) for k in keys] == [RETRY, RETRY]  # queued
+    tier.on_request_finished(early)  # gone before the end of the step
+    late = a.request()
+    assert [tier.lookup(k, late) for k in keys] == [RETRY, RETRY]  # queued again
+    deadline = time.monotonic() + 10
+    while (answers := [tier.lookup(k, late) for k in keys]) != [HIT, HIT]:
+        assert RETRY in answers and time.monotonic() < deadline, answers
+        tier.on_schedule_end(None)
+        time.sleep(0.01)
+    tier.on_request_finished(late)
+    assert tier._probes == {}  # no verdict outlives its requests
+
+
 def test_stores_and_loads_use_vllms_region_in_place(
     tmp_path: Path, instances: list[Instance]
 ) -> None:
