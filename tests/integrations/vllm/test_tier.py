@@ -149,15 +149,15 @@ def test_lookup_answers_retry_while_the_query_runs(
     keys, data = make_keys(2), payloads(2, BLOCK)
     a.store(keys, data)
 
-    plan = "fault=latency&fault_ops=exists&fault_delay=0.6"
+    plan = "fault=latency&fault_ops=exists&fault_delay=1.0"
     b = Instance([tier_config(f"faulty+file://{tmp_path}?{plan}")])
     instances.append(b)
     ctx = b.request()
     assert [b.manager.lookup(k, ctx) for k in keys] == [RETRY, RETRY]
-    b.step()  # the query starts; the backend takes 0.6 s to answer
+    b.step()  # the query starts; the backend takes 1 s to answer
     t0 = time.monotonic()
     assert [b.manager.lookup(k, ctx) for k in keys] == [RETRY, RETRY]
-    assert time.monotonic() - t0 < 0.3  # the scheduler did not wait for it
+    assert time.monotonic() - t0 < 0.5  # the scheduler did not wait for it
     history = b.lookup_until_settled(keys, ctx)
     assert names(history)[-1] == ["HIT", "HIT"]
     assert b.load(keys, ctx, BLOCK) == data
@@ -349,8 +349,11 @@ def test_backend_down_means_misses_and_the_tier_recovers(
     ctx = inst.request()
     assert names(inst.lookup_until_settled(keys, ctx))[-1] == ["MISS", "MISS"]
     inst.manager.on_request_finished(ctx)
-    inst.store(keys, data)  # the stores fail: vLLM keeps the blocks in its CPU tier
-    assert inst.tier.get_finished_jobs() == []
+    inst.store(keys, data)  # the cascades fail; vLLM keeps serving from its CPU tier
+    ctx = inst.request()
+    assert [inst.manager.lookup(k, ctx) for k in keys] == [HIT, HIT]
+    assert not inst.manager.has_pending_work()
+    inst.manager.on_request_finished(ctx)
 
     own_redis.start()
     time.sleep(0.3)  # past reopen_interval_s
