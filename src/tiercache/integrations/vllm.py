@@ -335,6 +335,9 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
                 self._url_display,
                 e,
             )
+        except BaseException:
+            self._loop.close(timeout=self._open_timeout_s)
+            raise
 
     # ------------------------------------------------------------------ keys
 
