@@ -451,3 +451,28 @@ def test_example_runs() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "instance B lookups, step by step: RETRY -> HIT_PENDING -> HIT" in r.stdout
     assert "instance B loaded 8 blocks from tiercache storage; KV bit-identical: True" in r.stdout
+
+
+def test_reset_cache_drains_jobs_in_flight(
+    tmp_path: Path, instances: list[Instance], faulty_file: None
+) -> None:
+    url = f"faulty+file://{tmp_path}?fault=latency&fault_ops=set&fault_delay=0.5"
+    a = Instance([tier_config(url)])
+    instances.append(a)
+    keys, data = make_keys(3), payloads(3, BLOCK)
+    ctx = a.request()
+    out = a.manager.prepare_store(keys, ctx)
+    for chunk, blob in zip(out.store_spec.chunk_ids, data, strict=True):
+        a.write_row(int(chunk), blob)
+    a.manager.complete_store(keys, ctx, True)
+    assert a.tier.has_pending_work()
+    # vLLM's reset (sleep, weight update) calls drain_jobs, then asserts that
+    # no job is left before it reuses the CPU tier's slots.
+    a.manager.reset_cache()
+    assert not a.manager.has_pending_work()
+
+    b = Instance([tier_config(f"file://{tmp_path}")])
+    instances.append(b)
+    ctx = b.request()
+    assert names(b.lookup_until_settled(keys, ctx))[-1] == ["HIT"] * 3
+    assert b.load(keys, ctx, BLOCK) == data
