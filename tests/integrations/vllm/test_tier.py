@@ -476,3 +476,33 @@ def test_reset_cache_drains_jobs_in_flight(
     ctx = b.request()
     assert names(b.lookup_until_settled(keys, ctx))[-1] == ["HIT"] * 3
     assert b.load(keys, ctx, BLOCK) == data
+
+
+@pytest.mark.redis
+def test_backend_killed_mid_load_fails_the_job_and_the_tier_recovers(
+    own_redis: RedisServer, instances: list[Instance]
+) -> None:
+    a = Instance([tier_config(own_redis.url)])
+    instances.append(a)
+    keys, data = make_keys(3), payloads(3, BLOCK)
+    a.store(keys, data)
+
+    b = Instance([tier_config(own_redis.url, timeout_s=1.0)])
+    instances.append(b)
+    ctx = b.request()
+    deadline = time.monotonic() + 10
+    while [b.manager.lookup(k, ctx) for k in keys] != [HIT_PENDING] * 3:
+        assert time.monotonic() < deadline
+        b.step()
+        time.sleep(0.01)
+    own_redis.kill()  # the server dies (connections refused) as the load is submitted
+    b.settle(timeout=10)
+    assert [b.manager.lookup(k, ctx) for k in keys] == [MISS] * 3  # vLLM recomputes them
+    b.manager.on_request_finished(ctx)
+
+    own_redis.start()  # back, empty (no persistence): instance A offloads again
+    fresh = make_keys(3)
+    a.store(fresh, data)
+    ctx = b.request()
+    assert names(b.lookup_until_settled(fresh, ctx))[-1] == ["HIT"] * 3
+    assert b.load(fresh, ctx, BLOCK) == data
