@@ -264,7 +264,11 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
             raise ConfigError(f"backend_options must be a dict, got {backend_options!r}")
         if not isinstance(namespace, str):
             raise ConfigError(f"namespace must be a str, got {namespace!r}")
-        self.locality = Locality(locality) if locality is not None else None
+        try:
+            self.locality = Locality(locality) if locality is not None else None
+        except ValueError:
+            choices = [m.value for m in Locality]
+            raise ConfigError(f"locality must be one of {choices}, got {locality!r}") from None
 
         view = primary_kv_view
         if view.ndim < 1 or view.strides is None or not view.c_contiguous:
@@ -350,10 +354,11 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         size = self._block_bytes
         flat = self._flat
         fmt = self._page_format
-        return [
-            PageBuffer((flat[c * size : (c + 1) * size],), size, fmt)
-            for c in (int(c) for c in chunk_ids)
-        ]
+        pages = []
+        for c in (int(c) for c in chunk_ids):
+            assert 0 <= c < self._num_blocks, f"chunk {c} outside vLLM's region"
+            pages.append(PageBuffer((flat[c * size : (c + 1) * size],), size, fmt))
+        return pages
 
     # --------------------------------------------------------------- lookups
 

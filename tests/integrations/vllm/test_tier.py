@@ -104,8 +104,16 @@ def test_the_manager_vllm_builds_holds_the_tier(tmp_path: Path, instances: list[
         {"backend_options": {"no_such_option": 1}},
         {"timeout_s": 0},
         {"max_probe_batch": 0},
+        {"locality": "NEARBY"},
     ],
-    ids=["empty-url", "unknown-scheme", "unknown-backend-option", "zero-timeout", "zero-batch"],
+    ids=[
+        "empty-url",
+        "unknown-scheme",
+        "unknown-backend-option",
+        "zero-timeout",
+        "zero-batch",
+        "unknown-locality",
+    ],
 )
 def test_bad_options_are_config_errors(tmp_path: Path, options: dict[str, object]) -> None:
     spec = TieringOffloadingSpec(offloading_config([tier_config(f"file://{tmp_path}")]))
