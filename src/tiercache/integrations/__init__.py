@@ -1,0 +1,1 @@
+"""Adapters to serving engines' extension points. Nothing in tiercache imports them."""
