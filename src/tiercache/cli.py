@@ -93,6 +93,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         clients=args.clients,
         seed=args.seed,
         progress=not args.no_progress,
+        metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
     )
 
 
@@ -164,6 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed of the tokens and arrival times (default: %(default)s)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    demo.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve Prometheus metrics on port N while the demo runs (0: any free port; "
+        "needs tiercache[metrics])",
+    )
+    demo.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1",
+        help="address the metrics server binds (default: %(default)s)",
+    )
     demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser(
