@@ -10,7 +10,11 @@ verified before it is trusted, exactly as the file backend does.
 
 Every batch is one round trip: a non-transactional pipeline of ``EXISTS``,
 ``GET``, ``SET ... NX`` or ``UNLINK`` commands, sent in one write and answered in
-one read (on a cluster, one round trip per node that owns keys of the batch).
+one read. On a Redis Cluster the batch is split by the node that owns each
+key's slot and every node gets its own pipeline, all sent at once: one round
+trip per node that owns keys of the batch. A node that fails costs only its
+own pages (misses), never the batch; the backend then reloads the cluster's
+topology by itself, so it follows a failover without being reopened.
 Every call runs under ``timeout`` seconds (socket and connect timeouts plus an
 ``asyncio.timeout`` around the whole batch) and fails with a `StorageError`
 subclass, never a ``redis`` exception. The connection pool replaces broken
@@ -92,6 +96,8 @@ _OPTIONS = ("prefix", "ttl_seconds", "timeout", "max_connections", "cluster", "p
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _SCAN_COUNT = 1000
+#: Replies meaning the cluster's topology moved under a command: reload it, send again.
+_REDIRECTS = (redis_errors.AskError, redis_errors.TryAgainError, redis_errors.ClusterDownError)
 _MASK = "***"
 
 
@@ -335,7 +341,11 @@ class RedisBackend(StorageBackend):
         }
         try:
             if self.cluster:
-                self._client: Any = RedisCluster.from_url(client_url, **common)
+                # Slots of a failed master stay uncovered until a replica takes
+                # over: the other masters' slots must stay usable meanwhile.
+                self._client: Any = RedisCluster.from_url(
+                    client_url, require_full_coverage=False, **common
+                )
             else:
                 pool = aioredis.BlockingConnectionPool.from_url(
                     client_url, timeout=self.timeout, **common
@@ -345,6 +355,15 @@ class RedisBackend(StorageBackend):
             raise ConfigError(
                 f"invalid redis URL {self._url_display}: {self._scrub(str(e))}"
             ) from None
+        # Cluster: one plain client per node (`_node_client`), made from the
+        # same URL with the node's address, so TLS and credentials carry over.
+        self._client_url = parts._replace(scheme=scheme, query=urlencode(passed))
+        self._common = common
+        self._node_clients: dict[str, Any] = {}
+        self._failed_nodes: set[str] = set()
+        self._refresh_task: asyncio.Task[None] | None = None
+        self._last_refresh = float("-inf")
+        self._topology_loaded = False
 
     @classmethod
     async def from_url(cls, url: str, **options: Any) -> RedisBackend:
@@ -443,19 +462,151 @@ class RedisBackend(StorageBackend):
         if not self._healthy:
             self._healthy = True
             logger.info("redis backend %s answers again", self._url_display)
-        self._stats.extra["round_trips"] = int(self._stats.extra.get("round_trips", 0)) + 1
+        if not self.cluster:  # a cluster counts its round trips per node
+            self._stats.extra["round_trips"] = int(self._stats.extra.get("round_trips", 0)) + 1
 
-    async def _pipeline(self, op: str, queue: Callable[[Any], None]) -> list[Any]:
-        """One round trip: queue commands on a non-transactional pipeline, send, read every reply.
+    async def _pipeline(
+        self, op: str, rkeys: Sequence[str], queue: Callable[[Any, int], None]
+    ) -> list[Any]:
+        """One round trip: ``queue(pipe, i)`` queues the command on ``rkeys[i]``; send, read replies.
 
         Per-command errors (``OOM``, ``WRONGTYPE``) come back as exception
-        objects in the result list instead of failing the batch.
+        objects in the result list instead of failing the batch. On a cluster
+        see `_cluster_pipeline`.
         """
+        if self.cluster:
+            return await self._cluster_pipeline(op, rkeys, queue)
         async with self._call(op):
             async with self._client.pipeline(transaction=False) as pipe:
-                queue(pipe)
+                for i in range(len(rkeys)):
+                    queue(pipe, i)
                 result: list[Any] = await pipe.execute(raise_on_error=False)
         return result
+
+    # -- Redis Cluster ---------------------------------------------------------
+
+    def _node_client(self, host: str, port: int) -> Any:
+        """The plain client of one cluster node (made on first use, kept until `aclose`)."""
+        name = f"{host}:{port}"
+        client = self._node_clients.get(name)
+        if client is None:
+            u = self._client_url
+            netloc = u.netloc.rpartition("@")[0]
+            netloc = f"{netloc}@{host}:{port}" if netloc else f"{host}:{port}"
+            url = _unsplit(u.scheme, netloc, "", u.query, "")
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, timeout=self.timeout, **self._common
+            )
+            client = self._node_clients[name] = aioredis.Redis.from_pool(pool)
+        return client
+
+    async def _cluster_pipeline(
+        self, op: str, rkeys: Sequence[str], queue: Callable[[Any, int], None]
+    ) -> list[Any]:
+        """Split the batch by owning node; one pipeline per node, all at once.
+
+        A node that cannot be reached (or does not answer within ``timeout``)
+        yields `BackendUnavailableError` objects for its commands, and a
+        reload of the topology starts in the background. Commands answered
+        with ``MOVED``/``ASK``/``TRYAGAIN``/``CLUSTERDOWN`` (the topology moved
+        under us) are sent once more after an immediate reload. Only when no
+        node at all answered does the call raise.
+
+        Raises:
+            BackendUnavailableError, StorageTimeoutError, StorageError: no
+                node could be reached, or the topology could not be loaded.
+        """
+        if not self._topology_loaded:
+            async with self._call(op):
+                await self._client.initialize()
+            self._topology_loaded = True
+        results: list[Any] = [None] * len(rkeys)
+        todo = list(range(len(rkeys)))
+        for attempt in range(2):
+            groups: dict[tuple[str, int], list[int]] = {}
+            for i in todo:
+                try:
+                    node = self._client.get_node_from_key(rkeys[i])
+                except redis_errors.RedisClusterException as e:  # slot not covered
+                    results[i] = BackendUnavailableError(f"redis cluster: {e}")
+                    continue
+                groups.setdefault((node.host, node.port), []).append(i)
+            answered = await asyncio.gather(
+                *(self._node_pipeline(op, h, p, idx, queue) for (h, p), idx in groups.items())
+            )
+            moved: list[int] = []
+            for idx, replies in zip(groups.values(), answered, strict=True):
+                for i, r in zip(idx, replies, strict=True):
+                    results[i] = r
+                    if isinstance(r, _REDIRECTS):
+                        moved.append(i)
+            if any(isinstance(r, BackendUnavailableError) for r in results):
+                self._refresh_topology_soon()
+            if not moved or attempt:
+                break
+            async with self._call(op):
+                await self._client.nodes_manager.initialize()
+            self._last_refresh = asyncio.get_running_loop().time()
+            todo = moved
+        if results and all(isinstance(r, BackendUnavailableError) for r in results):
+            raise self._failed(
+                op, BackendUnavailableError(f"redis {op} at {self._url_display}: {results[0]}")
+            )
+        return results
+
+    async def _node_pipeline(
+        self, op: str, host: str, port: int, idx: list[int], queue: Callable[[Any, int], None]
+    ) -> list[Any]:
+        """One round trip to one node; its failure becomes per-command errors."""
+        name = f"{host}:{port}"
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with self._node_client(host, port).pipeline(transaction=False) as pipe:
+                    for i in idx:
+                        queue(pipe, i)
+                    replies: list[Any] = await pipe.execute(raise_on_error=False)
+        except (TimeoutError, redis_errors.RedisError, OSError) as e:
+            if self.state is BackendState.CLOSED:
+                raise BackendUnavailableError(f"the {self.name} backend is closed") from None
+            self._stats.errors += 1
+            detail = self._scrub(str(e)) or f"no answer within {self.timeout:g} s"
+            if name not in self._failed_nodes:
+                self._failed_nodes.add(name)
+                logger.warning(
+                    "redis cluster %s: node %s failed (%s: %s); its pages are misses",
+                    self._url_display,
+                    name,
+                    type(e).__name__,
+                    detail,
+                )
+            err = BackendUnavailableError(f"redis {op} at node {name}: {detail}")
+            return [err] * len(idx)
+        if name in self._failed_nodes:
+            self._failed_nodes.discard(name)
+            logger.info("redis cluster %s: node %s answers again", self._url_display, name)
+        self._stats.extra["round_trips"] = int(self._stats.extra.get("round_trips", 0)) + 1
+        key = f"round_trips@{name}"
+        self._stats.extra[key] = int(self._stats.extra.get(key, 0)) + 1
+        return replies
+
+    def _refresh_topology_soon(self) -> None:
+        """Reload the slot map in the background (at most one reload at a time, 4 per second)."""
+        loop = asyncio.get_running_loop()
+        if self._refresh_task is not None or loop.time() - self._last_refresh < 0.25:
+            return
+        self._last_refresh = loop.time()
+
+        async def refresh() -> None:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await self._client.nodes_manager.initialize()
+            except (TimeoutError, redis_errors.RedisError, OSError) as e:
+                logger.debug("redis cluster %s: topology reload failed: %r", self._url_display, e)
+            finally:
+                self._refresh_task = None
+                self._last_refresh = loop.time()
+
+        self._refresh_task = loop.create_task(refresh())
 
     # -- the StorageBackend interface ---------------------------------------
 
@@ -472,11 +623,8 @@ class RedisBackend(StorageBackend):
         if not keys:
             return 0
 
-        def queue(pipe: Any) -> None:
-            for k in keys:
-                pipe.exists(self._rkey(k))
-
-        replies = await self._pipeline("exists", queue)
+        rkeys = [self._rkey(k) for k in keys]
+        replies = await self._pipeline("exists", rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
         hits = 0
         for r in replies:
             if isinstance(r, Exception) or not r:
@@ -502,14 +650,13 @@ class RedisBackend(StorageBackend):
         if not keys:
             return []
 
-        def queue(pipe: Any) -> None:
-            for k in keys:
-                pipe.get(self._rkey(k))
-
-        replies = await self._pipeline("get", queue)
+        rkeys = [self._rkey(k) for k in keys]
+        replies = await self._pipeline("get", rkeys, lambda pipe, i: pipe.get(rkeys[i]))
         blobs: list[bytes | None] = []
         for k, r in zip(keys, replies, strict=True):
-            if isinstance(r, Exception):
+            if isinstance(r, BackendUnavailableError):
+                r = None  # its node failed: logged and counted once per node
+            elif isinstance(r, Exception):
                 logger.warning(
                     "redis backend %s: GET %s failed: %s", self._url_display, k, self._scrub(str(r))
                 )
@@ -579,18 +726,21 @@ class RedisBackend(StorageBackend):
             values = _pack_values(keys, pages)
         px = self._px
 
-        def queue(pipe: Any) -> None:
-            for k, v in zip(keys, values, strict=True):
-                pipe.set(self._rkey(k), v, nx=True, px=px)
-
-        replies = await self._pipeline("set", queue)
+        rkeys = [self._rkey(k) for k in keys]
+        replies = await self._pipeline(
+            "set", rkeys, lambda pipe, i: pipe.set(rkeys[i], values[i], nx=True, px=px)
+        )
         stored: list[bool] = []
         for k, page, r in zip(keys, pages, replies, strict=True):
             if isinstance(r, Exception):
-                logger.warning(
-                    "redis backend %s: SET %s failed: %s", self._url_display, k, self._scrub(str(r))
-                )
-                self._stats.errors += 1
+                if not isinstance(r, BackendUnavailableError):  # a failed node is logged once
+                    logger.warning(
+                        "redis backend %s: SET %s failed: %s",
+                        self._url_display,
+                        k,
+                        self._scrub(str(r)),
+                    )
+                    self._stats.errors += 1
                 stored.append(False)
                 continue
             stored.append(True)
@@ -607,12 +757,10 @@ class RedisBackend(StorageBackend):
         if not keys:
             return 0
 
-        def queue(pipe: Any) -> None:
-            for k in keys:
-                # execute_command: a cluster pipeline's unlink() is not queueable
-                pipe.execute_command("UNLINK", self._rkey(k))
-
-        replies = await self._pipeline("delete", queue)
+        rkeys = [self._rkey(k) for k in keys]
+        replies = await self._pipeline(
+            "delete", rkeys, lambda pipe, i: pipe.execute_command("UNLINK", rkeys[i])
+        )
         removed = sum(int(r) for r in replies if not isinstance(r, Exception))
         self._stats.evictions += removed
         return removed
@@ -653,6 +801,15 @@ class RedisBackend(StorageBackend):
         if self.state is BackendState.CLOSED:
             return
         await super().aclose()
+        task, self._refresh_task = self._refresh_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for client in self._node_clients.values():
+            with contextlib.suppress(redis_errors.RedisError, OSError):
+                await client.aclose()
+        self._node_clients.clear()
         try:
             await self._client.aclose()
         except (redis_errors.RedisError, OSError) as e:
