@@ -235,19 +235,28 @@ def require_redis_cluster() -> tuple[str, str]:
 
 
 class LocalRedisCluster:
-    """A Redis Cluster of ``masters`` masters, each with one replica, on loopback.
+    """A Redis Cluster of ``masters`` masters, each with ``replicas`` replicas, on loopback.
 
     Every node is a `RedisServer` with cluster mode on and
     ``cluster-require-full-coverage no`` (a failed master costs only its own
     slots; the others keep serving). The cluster is created with
-    ``redis-cli --cluster create ... --cluster-replicas 1 --cluster-yes``.
+    ``redis-cli --cluster create ... --cluster-replicas N --cluster-yes``.
     Replicas never fail over by themselves (``cluster-replica-no-failover
     yes``): a test promotes one with `promote`, so it controls when the
     topology changes. Methods block; call them off the event loop.
     """
 
-    def __init__(self, server: str, cli: str, *, masters: int = 3, node_timeout_ms: int = 1000):
+    def __init__(
+        self,
+        server: str,
+        cli: str,
+        *,
+        masters: int = 3,
+        replicas: int = 1,
+        node_timeout_ms: int = 1000,
+    ):
         self.cli = cli
+        self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
         args = [
             "--cluster-enabled", "yes",
@@ -256,7 +265,7 @@ class LocalRedisCluster:
             "--cluster-require-full-coverage", "no",
             "--cluster-replica-no-failover", "yes",
         ]  # fmt: skip
-        self.nodes = [RedisServer(server, extra_args=args) for _ in range(2 * masters)]
+        self.nodes = [RedisServer(server, extra_args=args) for _ in range((1 + replicas) * masters)]
         self.num_masters = masters
 
     @property
@@ -282,7 +291,8 @@ class LocalRedisCluster:
             list(pool.map(RedisServer.start, self.nodes))
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
         r = subprocess.run(
-            [self.cli, "--cluster", "create", *addrs, "--cluster-replicas", "1", "--cluster-yes"],
+            [self.cli, "--cluster", "create", *addrs]
+            + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -293,7 +303,7 @@ class LocalRedisCluster:
         self.wait_until(
             lambda: (
                 len(self.masters()) == self.num_masters
-                and all(self.replica_of(m) is not None for m in self.masters())
+                and all(self.replica_of(m) is not None or not self.replicas for m in self.masters())
             ),
             "every master to have a replica",
         )

@@ -41,6 +41,7 @@ from tiercache.errors import (
 )
 from tiercache.storage.base import BackendState, PageBuffer, PageKey, StorageBackend
 from tiercache.storage.format import pack_page, unpack_page
+from tiercache.storage.registry import option_bool
 
 try:
     import redis
@@ -93,8 +94,6 @@ _PASSTHROUGH_QUERY = frozenset(
     }
 )
 _OPTIONS = ("prefix", "ttl_seconds", "timeout", "max_connections", "cluster", "ping_on_open")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 _SCAN_COUNT = 1000
 #: Replies meaning the cluster's topology moved under a command: reload it, send again.
 _REDIRECTS = (redis_errors.AskError, redis_errors.TryAgainError, redis_errors.ClusterDownError)
@@ -131,16 +130,6 @@ def _secrets_of(url: str) -> tuple[str, ...]:
         if k == "password" and v:
             found.update({v, quote(v)})
     return tuple(sorted((s for s in found if s), key=len, reverse=True))
-
-
-def _as_bool(name: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-        return value.lower() in _TRUE
-    raise ConfigError(f"redis option {name} must be a boolean, got {value!r}")
 
 
 def _as_positive_float(name: str, value: object) -> float:
@@ -314,8 +303,8 @@ class RedisBackend(StorageBackend):
             max_connections if max_connections is not None else ours.get("max_connections", 32),
         )
         if cluster is None:
-            cluster = url_cluster or _as_bool("cluster", ours.get("cluster", False))
-        self.cluster: bool = _as_bool("cluster", cluster)
+            cluster = url_cluster or option_bool("cluster", ours.get("cluster", False))
+        self.cluster: bool = option_bool("cluster", cluster)
         if self.cluster and scheme == "unix":
             raise ConfigError(
                 "Redis Cluster is reached over TCP: use redis+cluster:// or rediss+cluster://"
@@ -385,7 +374,7 @@ class RedisBackend(StorageBackend):
         unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
             raise ConfigError(f"unknown redis backend option(s) {unknown}; known: {list(_OPTIONS)}")
-        ping = _as_bool("ping_on_open", options.pop("ping_on_open", True))
+        ping = option_bool("ping_on_open", options.pop("ping_on_open", True))
         backend = cls(url, **options)
         if ping:
             try:
