@@ -480,8 +480,9 @@ class RedisBackend(StorageBackend):
         client = self._node_clients.get(name)
         if client is None:
             u = self._client_url
-            netloc = u.netloc.rpartition("@")[0]
-            netloc = f"{netloc}@{host}:{port}" if netloc else f"{host}:{port}"
+            userinfo = u.netloc.rpartition("@")[0]
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6
+            netloc = f"{userinfo}@{address}" if userinfo else address
             url = _unsplit(u.scheme, netloc, "", u.query, "")
             pool = aioredis.BlockingConnectionPool.from_url(
                 url, timeout=self.timeout, **self._common
