@@ -20,6 +20,7 @@ import tiercache.metrics
 from tiercache import TierCache, TierCacheConfig, observe
 from tiercache.demo import CONFIG_NAMES, run_demo, settings_for
 from tiercache.storage.base import PageKey
+from tiercache.storage.faults import FaultyBackend
 from tiercache.storage.memory import MemoryBackend
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -237,3 +238,49 @@ async def test_two_collectors_in_one_registry_are_refused() -> None:
 def test_source_without_stats_is_refused() -> None:
     with pytest.raises(TypeError, match="stats"):
         tiercache.metrics.TierCacheCollector(object())
+
+
+async def test_storage_outage_and_reconnect_show_in_fault_state_metrics() -> None:
+    registry = CollectorRegistry()
+    config = _config(
+        prefetch_threshold=4,
+        storage_fault_threshold=1,
+        storage_reconnect_backoff_s=0.01,
+        storage_reconnect_backoff_max_s=0.02,
+    )
+    async with TierCache(config) as cache:
+        faulty = FaultyBackend(MemoryBackend())
+        await cache.attach_storage(faulty)
+        collector = tiercache.metrics.register(cache, registry, watch_loop=False)
+        try:
+            scrape = lambda: asyncio.to_thread(generate_latest, registry)  # noqa: E731
+            assert _get(_parse((await scrape()).decode()), "tiercache_storage_up") == 1.0
+            faulty.fail_all(True)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while cache.stats().storage_outages == 0:
+                assert loop.time() < deadline, "the storage tier never declared an outage"
+                async with cache.request(list(range(32))):
+                    pass
+                await asyncio.sleep(0.01)
+            samples = _parse((await scrape()).decode())
+            assert _get(samples, "tiercache_storage_up") == 0.0
+            assert _get(samples, "tiercache_storage_outages_total") == 1
+            assert (
+                _get(
+                    samples,
+                    "tiercache_storage_call_duration_seconds_count",
+                    op="exists",
+                    outcome="error",
+                )
+                >= 1
+            )
+            faulty.fail_all(False)
+            while cache.stats().storage_reconnects == 0:
+                assert loop.time() < deadline, "the storage tier never reconnected"
+                await asyncio.sleep(0.01)
+            samples = _parse((await scrape()).decode())
+            assert _get(samples, "tiercache_storage_up") == 1.0
+            assert _get(samples, "tiercache_storage_reconnects_total") == 1
+        finally:
+            await collector.aclose()
