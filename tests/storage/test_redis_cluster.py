@@ -13,10 +13,12 @@ import asyncio
 import re
 from pathlib import Path
 
+import pytest
 import tests.cache.test_redis_sharing as sharing
 from tests.redis_server import LocalRedisCluster, RedisServer
 from tests.storage.redis_fixtures import own_redis_cluster, redis_cluster, unique_prefix
 
+from tiercache.errors import BackendUnavailableError
 from tiercache.storage import PageBuffer, PageKey
 from tiercache.storage.redis import RedisBackend
 
@@ -151,6 +153,16 @@ async def test_cluster_master_killed_mid_workload_its_pages_miss_others_hit(
         live = [k for i, k in enumerate(keys) if i not in dead]
         assert await backend.batch_exists(live) == len(live)
         assert (await backend.stats()).errors > 0
+        # A batch that only the dead master owns is misses too, not an error: one
+        # master down must not look like the whole store down to the fault policy.
+        only_dead = [keys[i] for i in sorted(dead)[:3]]
+        assert await backend.batch_get(only_dead, [blank() for _ in only_dead]) == [False] * 3
+        assert await backend.batch_exists(only_dead) == 0
+        # Every master down is an outage of the store: the call raises.
+        for m in await asyncio.to_thread(c.masters):
+            await asyncio.to_thread(m.kill)
+        with pytest.raises(BackendUnavailableError):
+            await backend.batch_get(keys, [blank() for _ in keys])
 
 
 async def test_cluster_failover_backend_follows_promoted_replica_hits_and_backups_resume(

@@ -97,6 +97,8 @@ _OPTIONS = ("prefix", "ttl_seconds", "timeout", "max_connections", "cluster", "p
 _SCAN_COUNT = 1000
 #: Replies meaning the cluster's topology moved under a command: reload it, send again.
 _REDIRECTS = (redis_errors.AskError, redis_errors.TryAgainError, redis_errors.ClusterDownError)
+#: What a cluster node that failed leaves in the reply list for each of its commands.
+_NODE_FAILED = (BackendUnavailableError, StorageTimeoutError)
 _MASK = "***"
 
 
@@ -349,7 +351,7 @@ class RedisBackend(StorageBackend):
         self._client_url = parts._replace(scheme=scheme, query=urlencode(passed))
         self._common = common
         self._node_clients: dict[str, Any] = {}
-        self._failed_nodes: set[str] = set()
+        self._failed_nodes: dict[str, float] = {}  # node -> loop time of its last failure
         self._refresh_task: asyncio.Task[None] | None = None
         self._last_refresh = float("-inf")
         self._topology_loaded = False
@@ -496,15 +498,21 @@ class RedisBackend(StorageBackend):
         """Split the batch by owning node; one pipeline per node, all at once.
 
         A node that cannot be reached (or does not answer within ``timeout``)
-        yields `BackendUnavailableError` objects for its commands, and a
-        reload of the topology starts in the background. Commands answered
-        with ``MOVED``/``ASK``/``TRYAGAIN``/``CLUSTERDOWN`` (the topology moved
-        under us) are sent once more after an immediate reload. Only when no
-        node at all answered does the call raise.
+        yields `BackendUnavailableError` (or `StorageTimeoutError`) objects
+        for its commands, and a reload of the topology starts in the
+        background. Commands answered with ``MOVED``/``ASK``/``TRYAGAIN``/
+        ``CLUSTERDOWN`` (the topology moved under us) are sent once more after
+        an immediate reload.
+
+        The call raises only when every command failed that way *and* every
+        master failed within the last ``max(1, 2 * timeout)`` seconds: an
+        outage of the whole cluster, which the storage tier's fault policy
+        should see. One dead master only ever costs misses, so the fault
+        policy never takes the healthy masters out of service with it.
 
         Raises:
-            BackendUnavailableError, StorageTimeoutError, StorageError: no
-                node could be reached, or the topology could not be loaded.
+            BackendUnavailableError, StorageTimeoutError, StorageError: the
+                whole cluster is failing, or the topology could not be loaded.
         """
         if not self._topology_loaded:
             async with self._call(op):
@@ -518,7 +526,7 @@ class RedisBackend(StorageBackend):
                 try:
                     node = self._client.get_node_from_key(rkeys[i])
                 except redis_errors.RedisClusterException as e:  # slot not covered
-                    results[i] = BackendUnavailableError(f"redis cluster: {e}")
+                    results[i] = BackendUnavailableError(f"redis cluster: {self._scrub(str(e))}")
                     continue
                 groups.setdefault((node.host, node.port), []).append(i)
             answered = await asyncio.gather(
@@ -530,7 +538,7 @@ class RedisBackend(StorageBackend):
                     results[i] = r
                     if isinstance(r, _REDIRECTS):
                         moved.append(i)
-            if any(isinstance(r, BackendUnavailableError) for r in results):
+            if any(isinstance(r, _NODE_FAILED) for r in results):
                 self._refresh_topology_soon()
             if not moved or attempt:
                 break
@@ -538,11 +546,20 @@ class RedisBackend(StorageBackend):
                 await self._client.nodes_manager.initialize()
             self._last_refresh = asyncio.get_running_loop().time()
             todo = moved
-        if results and all(isinstance(r, BackendUnavailableError) for r in results):
-            raise self._failed(
-                op, BackendUnavailableError(f"redis {op} at {self._url_display}: {results[0]}")
-            )
+        if results and all(isinstance(r, _NODE_FAILED) for r in results) and self._cluster_down():
+            error = type(results[0])(f"redis {op} at {self._url_display}: {results[0]}")
+            raise self._failed(op, error)
+        if not self._healthy:
+            self._healthy = True
+            logger.info("redis backend %s answers again", self._url_display)
         return results
+
+    def _cluster_down(self) -> bool:
+        """Every master known to the topology failed within the last ``max(1, 2 * timeout)`` s."""
+        now = asyncio.get_running_loop().time()
+        window = max(1.0, 2 * self.timeout)
+        primaries = [f"{n.host}:{n.port}" for n in self._client.get_primaries()]
+        return all(now - self._failed_nodes.get(p, float("-inf")) < window for p in primaries)
 
     async def _node_pipeline(
         self, op: str, host: str, port: int, idx: list[int], queue: Callable[[Any, int], None]
@@ -560,8 +577,9 @@ class RedisBackend(StorageBackend):
                 raise BackendUnavailableError(f"the {self.name} backend is closed") from None
             self._stats.errors += 1
             detail = self._scrub(str(e)) or f"no answer within {self.timeout:g} s"
-            if name not in self._failed_nodes:
-                self._failed_nodes.add(name)
+            first = name not in self._failed_nodes
+            self._failed_nodes[name] = asyncio.get_running_loop().time()
+            if first:
                 logger.warning(
                     "redis cluster %s: node %s failed (%s: %s); its pages are misses",
                     self._url_display,
@@ -569,10 +587,11 @@ class RedisBackend(StorageBackend):
                     type(e).__name__,
                     detail,
                 )
-            err = BackendUnavailableError(f"redis {op} at node {name}: {detail}")
+            timed_out = isinstance(e, TimeoutError | redis_errors.TimeoutError)
+            kind = StorageTimeoutError if timed_out else BackendUnavailableError
+            err = kind(f"redis {op} at node {name}: {detail}")
             return [err] * len(idx)
-        if name in self._failed_nodes:
-            self._failed_nodes.discard(name)
+        if self._failed_nodes.pop(name, None) is not None:
             logger.info("redis cluster %s: node %s answers again", self._url_display, name)
         self._stats.extra["round_trips"] = int(self._stats.extra.get("round_trips", 0)) + 1
         key = f"round_trips@{name}"
@@ -644,7 +663,7 @@ class RedisBackend(StorageBackend):
         replies = await self._pipeline("get", rkeys, lambda pipe, i: pipe.get(rkeys[i]))
         blobs: list[bytes | None] = []
         for k, r in zip(keys, replies, strict=True):
-            if isinstance(r, BackendUnavailableError):
+            if isinstance(r, _NODE_FAILED):
                 r = None  # its node failed: logged and counted once per node
             elif isinstance(r, Exception):
                 logger.warning(
@@ -723,7 +742,7 @@ class RedisBackend(StorageBackend):
         stored: list[bool] = []
         for k, page, r in zip(keys, pages, replies, strict=True):
             if isinstance(r, Exception):
-                if not isinstance(r, BackendUnavailableError):  # a failed node is logged once
+                if not isinstance(r, _NODE_FAILED):  # a failed node is logged once
                     logger.warning(
                         "redis backend %s: SET %s failed: %s",
                         self._url_display,
