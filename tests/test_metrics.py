@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -284,3 +285,37 @@ async def test_storage_outage_and_reconnect_show_in_fault_state_metrics() -> Non
             assert _get(samples, "tiercache_storage_reconnects_total") == 1
         finally:
             await collector.aclose()
+
+
+def test_register_from_an_engine_thread_with_the_adapter_loop() -> None:
+    """How an engine adapter registers: from the engine's thread, naming the loop it owns."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="adapter-loop", daemon=True)
+    thread.start()
+    try:
+        backend = MemoryBackend()
+        on_loop = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(5)  # noqa: E731
+        on_loop(backend.batch_exists([PageKey("k1")]))
+        registry = CollectorRegistry()
+        collector = tiercache.metrics.register(
+            backend, registry, loop=loop, labels={"engine": "x"}, loop_lag_interval_s=0.005
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            samples = _parse(generate_latest(registry).decode())
+            lag = samples.get(("tiercache_event_loop_lag_seconds_count", (("engine", "x"),)), 0)
+            if lag >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert lag >= 2  # the sampler runs on the adapter's loop
+        assert (
+            _get(samples, "tiercache_backend_exists_calls_total", backend="memory", engine="x") == 1
+        )
+        collector.close()
+        on_loop(asyncio.sleep(0.05))
+        assert not [m for m in registry.collect() if m.name.startswith("tiercache")]
+        on_loop(backend.aclose())
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
