@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -53,12 +54,31 @@ def require_redis_server() -> str:
     return binary
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+def free_port(*, cluster: bool = False) -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago.
+
+    ``cluster``: a port for a cluster node, whose cluster bus listens on
+    ``port + 10000``: both must be free, so the port is at most 55535.
+    """
+    if not cluster:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+            return port
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(20000, 55535)
+        try:
+            with (
+                socket.socket(socket.AF_INET, socket.SOCK_STREAM) as a,
+                socket.socket(socket.AF_INET, socket.SOCK_STREAM) as b,
+            ):
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
         return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 class RedisServer:
@@ -108,7 +128,7 @@ class RedisServer:
         attempts = 3 if self.port == 0 else 1
         for attempt in range(attempts):
             if self.port == 0 or attempt > 0:
-                self.port = free_port()
+                self.port = free_port(cluster="--cluster-enabled" in self.extra_args)
             try:
                 self._spawn()
                 return
