@@ -4,6 +4,7 @@ fill from real copies and storage calls, and the demo serves it all over HTTP.""
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import threading
@@ -319,3 +320,17 @@ def test_register_from_an_engine_thread_with_the_adapter_loop() -> None:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         loop.close()
+
+
+def test_cli_demo_with_a_taken_metrics_port_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tiercache.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc = main(["demo", "--quick", "--dir", str(tmp_path), "--metrics-port", str(port)])
+    assert rc == 2
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import tiercache
-from tiercache.errors import StorageCorruptionError
+from tiercache.errors import ConfigError, StorageCorruptionError
 
 __all__ = ["find_benchmarks", "inspect_store", "main"]
 
@@ -87,15 +87,19 @@ def inspect_store(root: Path) -> dict[str, object]:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from tiercache.demo import main as demo_main
 
-    return demo_main(
-        args.dir,
-        quick=args.quick,
-        clients=args.clients,
-        seed=args.seed,
-        progress=not args.no_progress,
-        metrics_port=args.metrics_port,
-        metrics_addr=args.metrics_addr,
-    )
+    try:
+        return demo_main(
+            args.dir,
+            quick=args.quick,
+            clients=args.clients,
+            seed=args.seed,
+            progress=not args.no_progress,
+            metrics_port=args.metrics_port,
+            metrics_addr=args.metrics_addr,
+        )
+    except ConfigError as e:  # e.g. the metrics port is taken
+        print(f"tiercache demo: {e}", file=sys.stderr)
+        return 2
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
