@@ -29,7 +29,7 @@ test: test-core test-engines
 
 # The engine-marked tests run in the engine suites, against the engines' real code.
 test-core: install
-	@command -v redis-server >/dev/null 2>&1 || bash .ci/install-redis || true
+	@command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || bash .ci/install-redis || true
 	$(PY) -m pytest -q -m "not sglang and not vllm"
 
 test-engines: $(ENGINE_TESTS)

@@ -15,7 +15,16 @@ batch size and pipelining (one non-transactional pipeline per batch):
   the same size (no header, no checksum, no copy into a page).
 
 The result is ``backend / raw`` throughput per direction (1.0 = no overhead),
-best of ``repeats`` interleaved runs. Written to ``benchmarks/results/redis.json``
+best of ``repeats`` interleaved runs.
+
+The cluster rows do the same against a Redis Cluster of 3 masters on loopback
+(made with ``redis-cli --cluster create``; no replicas, so the numbers measure
+the client side and not replication): ``RedisBackend`` on a
+``redis+cluster://`` URL, which splits each batch by owning master into one
+pipeline per master sent at once, against redis-py's own ``RedisCluster``
+pipeline of the same ``SET NX`` / ``GET`` commands. Batches are 3x larger so
+every master gets pages of each batch. Skipped (with a note) where
+``redis-cli`` is missing. Written to ``benchmarks/results/redis.json``
 (and ``redis.png`` when matplotlib imports).
 
     python benchmarks/bench_redis.py [--quick]
@@ -29,6 +38,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -37,12 +47,17 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from tests.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from tests.redis_server import (  # noqa: E402
+    LocalRedisCluster,
+    RedisServer,
+    redis_server_binary,
+)
 
 from benchmarks.common import (  # noqa: E402
     RESULTS_DIR,
@@ -80,7 +95,12 @@ def _versions() -> dict[str, Any]:
 
 
 async def _run(
-    server: RedisServer, *, page_bytes: int, batch: int, batches: int, repeats: int
+    server: RedisServer | LocalRedisCluster,
+    *,
+    page_bytes: int,
+    batch: int,
+    batches: int,
+    repeats: int,
 ) -> dict[str, Any]:
     half = page_bytes // 2
     fmt = f"bench:mha:P64:{page_bytes}B:page_first"
@@ -101,7 +121,18 @@ async def _run(
     backend = await RedisBackend.from_url(
         server.url, prefix="bench:tc:", timeout=30, max_connections=4
     )
-    raw = aioredis.Redis.from_url(server.url, socket_timeout=30)
+    raw: Any
+    if isinstance(server, LocalRedisCluster):
+        raw = RedisCluster.from_url(server.url.replace("redis+cluster", "redis"), socket_timeout=30)
+
+        async def flush() -> None:
+            await raw.flushdb(target_nodes=RedisCluster.PRIMARIES)
+    else:
+        raw = aioredis.Redis.from_url(server.url, socket_timeout=30)
+
+        async def flush() -> None:
+            await raw.flushdb()
+
     best: dict[str, float] = {}
 
     def keys(run: str, b: int) -> list[str]:
@@ -138,13 +169,13 @@ async def _run(
     try:
         await raw.ping()
         for _ in range(repeats):
-            await raw.flushdb()  # the benchmark's own server
+            await flush()  # the benchmark's own server
             await timed("raw_write", raw_set)
             await timed("backend_write", tc_set)
             await timed("raw_read", raw_get)
             await timed("backend_read", tc_get)
         assert targets[-1].tobytes() == pages[-1].tobytes()
-        await raw.flushdb()
+        await flush()
     finally:
         await backend.aclose()
         await raw.aclose()
@@ -172,6 +203,12 @@ def main(quick: bool = False, out_dir: Path = RESULTS_DIR) -> dict[str, Any]:
     with RedisServer(binary) as server:
         measured = asyncio.run(_run(server, **config))
     tp = measured["throughput_MiB_s"]
+    cli = shutil.which("redis-cli")
+    cluster_config = {**config, "batch": 3 * config["batch"], "batches": config["batches"] // 2}
+    cluster: dict[str, Any] | None = None
+    if cli is not None:
+        with LocalRedisCluster(binary, cli, masters=3, replicas=0) as nodes:
+            cluster = asyncio.run(_run(nodes, **cluster_config))
     result: dict[str, Any] = {
         "benchmark": "redis",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -195,8 +232,34 @@ def main(quick: bool = False, out_dir: Path = RESULTS_DIR) -> dict[str, Any]:
                 ["read", tp["raw_read"], tp["backend_read"], measured["read_ratio"]],
             ],
         },
-        "wall_s": round(time.perf_counter() - started, 2),
     }
+    if cluster is not None:
+        ctp = cluster["throughput_MiB_s"]
+        result["cluster"] = {
+            "config": {**cluster_config, "masters": 3, "replicas": 0},
+            **cluster,
+        }
+        result["headline"] += [
+            headline(
+                "redis cluster write throughput / raw cluster pipeline",
+                cluster["write_ratio"],
+                0.5,
+                unit="x",
+            ),
+            headline(
+                "redis cluster read throughput / raw cluster pipeline",
+                cluster["read_ratio"],
+                0.5,
+                unit="x",
+            ),
+        ]
+        result["table"]["rows"] += [
+            ["cluster write", ctp["raw_write"], ctp["backend_write"], cluster["write_ratio"]],
+            ["cluster read", ctp["raw_read"], ctp["backend_read"], cluster["read_ratio"]],
+        ]
+    else:
+        result["cluster"] = {"skipped": "redis-cli is not installed (apt-get install redis-tools)"}
+    result["wall_s"] = round(time.perf_counter() - started, 2)
     write_result("redis", result, out_dir)
     plot = plot_bars(
         "redis",

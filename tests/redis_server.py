@@ -12,19 +12,29 @@ installed; nothing else is a reason to skip.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-__all__ = ["RedisServer", "free_port", "redis_server_binary", "require_redis_server"]
+__all__ = [
+    "LocalRedisCluster",
+    "RedisServer",
+    "free_port",
+    "redis_server_binary",
+    "require_redis_cluster",
+    "require_redis_server",
+]
 
 _START_TIMEOUT_S = 10.0
 
@@ -44,12 +54,31 @@ def require_redis_server() -> str:
     return binary
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+def free_port(*, cluster: bool = False) -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago.
+
+    ``cluster``: a port for a cluster node, whose cluster bus listens on
+    ``port + 10000``: both must be free, so the port is at most 55535.
+    """
+    if not cluster:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+            return port
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(20000, 55535)
+        try:
+            with (
+                socket.socket(socket.AF_INET, socket.SOCK_STREAM) as a,
+                socket.socket(socket.AF_INET, socket.SOCK_STREAM) as b,
+            ):
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
         return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 class RedisServer:
@@ -99,7 +128,7 @@ class RedisServer:
         attempts = 3 if self.port == 0 else 1
         for attempt in range(attempts):
             if self.port == 0 or attempt > 0:
-                self.port = free_port()
+                self.port = free_port(cluster="--cluster-enabled" in self.extra_args)
             try:
                 self._spawn()
                 return
@@ -208,3 +237,217 @@ class RedisServer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def require_redis_cluster() -> tuple[str, str]:
+    """``(redis-server, redis-cli)`` paths; skips the current test when either is missing.
+
+    Debian's ``redis-server`` package depends on ``redis-tools``, which holds
+    ``redis-cli``: where one is installed, so is the other.
+    """
+    import pytest
+
+    server = require_redis_server()
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        pytest.skip("redis-cli is not installed (apt-get install redis-tools)")
+    return server, cli
+
+
+class LocalRedisCluster:
+    """A Redis Cluster of ``masters`` masters, each with ``replicas`` replicas, on loopback.
+
+    Every node is a `RedisServer` with cluster mode on and
+    ``cluster-require-full-coverage no`` (a failed master costs only its own
+    slots; the others keep serving). The cluster is created with
+    ``redis-cli --cluster create ... --cluster-replicas N --cluster-yes``.
+    Replicas never fail over by themselves (``cluster-replica-no-failover
+    yes``): a test promotes one with `promote`, so it controls when the
+    topology changes. Methods block; call them off the event loop.
+    """
+
+    def __init__(
+        self,
+        server: str,
+        cli: str,
+        *,
+        masters: int = 3,
+        replicas: int = 1,
+        node_timeout_ms: int = 1000,
+    ):
+        self.cli = cli
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
+        args = [
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(node_timeout_ms),
+            "--cluster-require-full-coverage", "no",
+            "--cluster-replica-no-failover", "yes",
+        ]  # fmt: skip
+        self.nodes = [RedisServer(server, extra_args=args) for _ in range((1 + replicas) * masters)]
+        self.num_masters = masters
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://127.0.0.1:<port of a master>`` (any node would do)."""
+        return f"redis+cluster://127.0.0.1:{self.masters()[0].port}"
+
+    def command(self, node: RedisServer, *args: str, timeout: float = 10) -> str:
+        """Run ``redis-cli -p PORT ARGS...`` against ``node``; its stdout."""
+        r = subprocess.run(
+            [self.cli, "-h", "127.0.0.1", "-p", str(node.port), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"redis-cli {' '.join(args)} on {node.port}: {r.stderr}{r.stdout}")
+        return r.stdout
+
+    def start(self) -> None:
+        """Start the nodes, create the cluster, wait until every node agrees it is ok."""
+        with concurrent.futures.ThreadPoolExecutor(len(self.nodes)) as pool:
+            list(pool.map(RedisServer.start, self.nodes))
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        r = subprocess.run(
+            [self.cli, "--cluster", "create", *addrs]
+            + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {r.stdout}{r.stderr}")
+        self.wait_until(lambda: all(self._ok(n) for n in self.nodes), "the cluster to be ok")
+        self.wait_until(
+            lambda: (
+                len(self.masters()) == self.num_masters
+                and all(self.replica_of(m) is not None or not self.replicas for m in self.masters())
+            ),
+            "every master to have a replica",
+        )
+
+    def _ok(self, node: RedisServer) -> bool:
+        info = self.command(node, "CLUSTER", "INFO")
+        return "cluster_state:ok" in info and f"cluster_known_nodes:{len(self.nodes)}" in info
+
+    def _nodes_table(self) -> list[list[str]]:
+        live = next(n for n in self.nodes if n.running)
+        return [line.split() for line in self.command(live, "CLUSTER", "NODES").splitlines()]
+
+    def _by_port(self, port: int) -> RedisServer:
+        return next(n for n in self.nodes if n.port == port)
+
+    def masters(self) -> list[RedisServer]:
+        """The running nodes that are masters owning slots, as a live node sees it."""
+        out = []
+        for f in self._nodes_table():
+            flags = f[2].split(",")
+            if "master" in flags and "fail" not in flags and len(f) > 8:
+                node = self._by_port(int(f[1].split("@")[0].rsplit(":", 1)[1]))
+                if node.running:
+                    out.append(node)
+        return out
+
+    def replica_of(self, master: RedisServer) -> RedisServer | None:
+        """The running replica of ``master``, or ``None``."""
+        table = self._nodes_table()
+        ids = {int(f[1].split("@")[0].rsplit(":", 1)[1]): f[0] for f in table}
+        for f in table:
+            if "slave" in f[2].split(",") and f[3] == ids.get(master.port):
+                node = self._by_port(int(f[1].split("@")[0].rsplit(":", 1)[1]))
+                if node.running:
+                    return node
+        return None
+
+    def keyslot(self, key: str) -> int:
+        """The hash slot of ``key``, as the server computes it."""
+        return int(self.command(self.masters()[0], "CLUSTER", "KEYSLOT", key))
+
+    def slots_of(self, master: RedisServer) -> set[int]:
+        """The slots ``master`` owns."""
+        for f in self._nodes_table():
+            if int(f[1].split("@")[0].rsplit(":", 1)[1]) == master.port:
+                out: set[int] = set()
+                for r in f[8:]:
+                    if r.startswith("["):
+                        continue  # a slot being migrated
+                    lo, _, hi = r.partition("-")
+                    out.update(range(int(lo), int(hi or lo) + 1))
+                return out
+        return set()
+
+    def wait_replicated(self) -> None:
+        """Wait until every replica has every write its master accepted."""
+
+        def offsets_equal() -> bool:
+            for m in self.masters():
+                replica = self.replica_of(m)
+                if replica is None:
+                    continue
+                mo = _info_field(self.command(m, "INFO", "replication"), "master_repl_offset")
+                ro = _info_field(self.command(replica, "INFO", "replication"), "slave_repl_offset")
+                if mo != ro:
+                    return False
+            return True
+
+        self.wait_until(offsets_equal, "the replicas to catch up")
+
+    def promote(self, replica: RedisServer) -> None:
+        """``CLUSTER FAILOVER TAKEOVER`` on ``replica``; wait until it serves as a master."""
+        self.command(replica, "CLUSTER", "FAILOVER", "TAKEOVER")
+        self.wait_until(
+            lambda: (
+                "role:master" in self.command(replica, "INFO", "replication")
+                and all(replica in self._masters_seen_by(n) for n in self.nodes if n.running)
+            ),
+            f"node {replica.port} to be a master for every node",
+        )
+
+    def _masters_seen_by(self, node: RedisServer) -> list[RedisServer]:
+        out = []
+        for line in self.command(node, "CLUSTER", "NODES").splitlines():
+            f = line.split()
+            if "master" in f[2].split(",") and len(f) > 8:
+                out.append(self._by_port(int(f[1].split("@")[0].rsplit(":", 1)[1])))
+        return out
+
+    @staticmethod
+    def wait_until(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
+        """Poll ``check`` every 50 ms. Raises: RuntimeError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                if check():
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"timed out waiting for {what}")
+
+    def close(self) -> None:
+        """Stop every node and remove their directories."""
+        with concurrent.futures.ThreadPoolExecutor(len(self.nodes)) as pool:
+            list(pool.map(RedisServer.close, self.nodes))
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _info_field(info: str, name: str) -> str | None:
+    for line in info.splitlines():
+        if line.startswith(name + ":"):
+            return line.split(":", 1)[1].strip()
+    return None

@@ -19,6 +19,7 @@ CASES = {
     ),
     "runtime_attach.py": "requests across attach/detach; no errors",
     "redis_two_instances.py": "instance B loaded 512 tokens from Redis; KV bit-identical: True",
+    "prometheus_metrics.py": "tiercache_hit_tokens_total{instance=demo,tier=storage} 64.0",
 }
 
 #: Examples that need a binary on the PATH to run at all.

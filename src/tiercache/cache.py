@@ -828,6 +828,8 @@ class TierCache(AsyncResource):
                 "host_tokens_cached": float(self.index.total_host_tokens()),
                 "device_free": float(ctl.device_allocator.available),
                 "host_free": float(ctl.host_allocator.available),
+                "storage_attached": float(ctl.storage is not None),
+                "storage_down": float(ctl.storage is not None and ctl.storage.down),
             }
         return s
 

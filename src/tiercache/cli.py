@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import tiercache
-from tiercache.errors import StorageCorruptionError
+from tiercache.errors import ConfigError, StorageCorruptionError
 
 __all__ = ["find_benchmarks", "inspect_store", "main"]
 
@@ -87,13 +87,19 @@ def inspect_store(root: Path) -> dict[str, object]:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from tiercache.demo import main as demo_main
 
-    return demo_main(
-        args.dir,
-        quick=args.quick,
-        clients=args.clients,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
+    try:
+        return demo_main(
+            args.dir,
+            quick=args.quick,
+            clients=args.clients,
+            seed=args.seed,
+            progress=not args.no_progress,
+            metrics_port=args.metrics_port,
+            metrics_addr=args.metrics_addr,
+        )
+    except ConfigError as e:  # e.g. the metrics port is taken
+        print(f"tiercache demo: {e}", file=sys.stderr)
+        return 2
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -164,6 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed of the tokens and arrival times (default: %(default)s)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    demo.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve Prometheus metrics on port N while the demo runs (0: any free port; "
+        "needs tiercache[metrics])",
+    )
+    demo.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1",
+        help="address the metrics server binds (default: %(default)s)",
+    )
     demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser(

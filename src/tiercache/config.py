@@ -16,6 +16,7 @@ from tiercache.controller import WRITE_POLICIES
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.memory.layout import SUPPORTED_DTYPES, KVLayout, dtype_name
 from tiercache.memory.pools import HOST_LAYOUTS
+from tiercache.storage.registry import option_bool
 from tiercache.storage_tier import FAULT_POLICIES, StorageTierConfig
 
 __all__ = ["PREFETCH_POLICIES", "WRITE_POLICIES", "TierCacheConfig"]
@@ -317,11 +318,7 @@ def _parse_env(name: str, type_name: str, raw: str) -> Any:
         if "None" in type_name and text.lower() in ("", "none"):
             return None
         if type_name.startswith("bool"):
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
+            return option_bool(name, text)
         if type_name.startswith("int"):
             return int(text)
         if type_name.startswith("float"):

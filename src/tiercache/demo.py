@@ -37,16 +37,17 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from tiercache.cache import TierCache
 from tiercache.config import TierCacheConfig
-from tiercache.errors import CapacityError, InvalidInputError
+from tiercache.errors import CapacityError, ConfigError, InvalidInputError
 from tiercache.memory.pools import DeviceKVPool
 from tiercache.models.tiny import TinyCausalLM, TinyConfig
 
@@ -264,42 +265,45 @@ class ConfigResult:
 
 
 class _Progress:
-    """A one-line text progress bar on stderr (silent when disabled)."""
+    """Progress over every configuration's requests, drawn by tqdm.
+
+    On a terminal it is one live bar on stderr, labelled with the configuration
+    that runs. Elsewhere (a pipe, a CI log) tqdm draws nothing and each
+    configuration gets one plain line when it starts, so the log stays short.
+    Silent when disabled.
+    """
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total = total
-        self.done = 0
-        self.enabled = enabled
-        self.label = ""
+        self._bar = tqdm(
+            total=total,
+            unit="req",
+            file=sys.stderr,
+            disable=None if enabled else True,  # None: draw only on a terminal
+            dynamic_ncols=True,
+            mininterval=0.2,
+        )
+        self._lines = enabled and bool(self._bar.disable)
+        self._total = total
+        self._done = 0  # a disabled tqdm bar does not count
 
     def start(self, label: str) -> None:
-        self.label = label
-        self._draw()
+        self._bar.set_description_str(label)
+        if self._lines:
+            print(f"demo: {label} ({self._done}/{self._total} requests done)", file=sys.stderr)
 
     def step(self) -> None:
-        self.done += 1
-        self._draw()
+        self._done += 1
+        self._bar.update()
 
-    def _draw(self) -> None:
-        if not self.enabled:
-            return
-        width = 30
-        filled = width * self.done // max(1, self.total)
-        bar = "#" * filled + "." * (width - filled)
-        sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {self.label:<24}")
-        if self.done >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+    def close(self) -> None:
+        self._bar.close()
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+def _p90(values: list[float]) -> float:
+    """The 90th percentile, linearly interpolated between samples (numpy's default)."""
+    if len(values) < 2:
+        return values[0] if values else 0.0
+    return statistics.quantiles(values, n=10, method="inclusive")[8]
 
 
 def _decode(
@@ -434,9 +438,13 @@ async def _run_config(
     model: TinyCausalLM,
     wl: Workload,
     progress: _Progress,
+    metrics: _MetricsServer | None = None,
+    on_config_done: ConfigHook | None = None,
 ) -> tuple[ConfigResult, list[RunResult]]:
     runs: list[RunResult] = []
-    async with TierCache(config) as cache:
+    async with TierCache(config) as cache, contextlib.AsyncExitStack() as stack:
+        if metrics is not None:
+            stack.push_async_callback(metrics.watch(cache, name).aclose)
         if name == "all_tiers":
             progress.start(f"{name} (fill store)")
             runs.append(await run_workload(cache, model, wl, use_prefix, progress.step))
@@ -448,13 +456,15 @@ async def _run_config(
         after = cache.stats()
         runs.append(run)
         await cache.wait_idle()
+        if on_config_done is not None:
+            await on_config_done(name, cache)
     t = run.ttfts
     res = ConfigResult(
         name=name,
         requests=len(t),
         ttft_mean_ms=1e3 * statistics.fmean(t),
-        ttft_p50_ms=1e3 * _percentile(t, 0.5),
-        ttft_p90_ms=1e3 * _percentile(t, 0.9),
+        ttft_p50_ms=1e3 * statistics.median(t),
+        ttft_p90_ms=1e3 * _p90(t),
         prefill_tokens=run.prefill_tokens,
         prompt_tokens=run.prompt_tokens,
         hit_rates=_hits(before, after),
@@ -465,15 +475,105 @@ async def _run_config(
     return res, runs
 
 
+#: ``await hook(name, cache)``: called once per configuration, after its
+#: measured run and once the cache is idle, before the cache closes.
+ConfigHook = Callable[[str, TierCache], Awaitable[None]]
+
+
+class _MetricsServer:
+    """The demo's Prometheus endpoint: one registry, served over HTTP by prometheus_client.
+
+    Each configuration's cache is watched by its own `TierCacheCollector`
+    (labelled ``config=<name>``) while it runs, and unregistered when it closes.
+    """
+
+    def __init__(self, port: int, addr: str) -> None:
+        try:
+            from prometheus_client import CollectorRegistry
+        except ImportError:
+            raise ConfigError(
+                "--metrics-port needs prometheus_client: pip install 'tiercache[metrics]'"
+            ) from None
+        self.port = port
+        self.addr = addr
+        self.registry = CollectorRegistry()
+        self._server: Any = None
+        self._thread: Any = None
+
+    async def start(self) -> None:
+        from prometheus_client import start_http_server
+
+        try:
+            self._server, self._thread = await asyncio.to_thread(
+                start_http_server, self.port, self.addr, self.registry
+            )
+        except OSError as e:
+            raise ConfigError(f"cannot serve metrics on {self.addr}:{self.port}: {e}") from None
+        self.port = self._server.server_port
+        print(f"demo: metrics on http://{self.addr}:{self.port}/metrics", file=sys.stderr)
+
+    def watch(self, cache: TierCache, name: str) -> Any:
+        from tiercache.metrics import register
+
+        return register(cache, self.registry, labels={"config": name})
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            server, self._server = self._server, None
+            await asyncio.to_thread(server.shutdown)
+            await asyncio.to_thread(server.server_close)
+            await asyncio.to_thread(self._thread.join)
+
+
 async def run_demo(
-    directory: Path, settings: DemoSettings, *, progress: bool = True
+    directory: Path,
+    settings: DemoSettings,
+    *,
+    progress: bool = True,
+    metrics_port: int | None = None,
+    metrics_addr: str = "127.0.0.1",
+    on_config_done: ConfigHook | None = None,
 ) -> dict[str, Any]:
     """Run the four configurations; returns the report (also written to ``<directory>/demo.json``).
 
     The file store lives in ``<directory>/store`` and is emptied first, so the
     ``all_tiers`` numbers always come from this run's own fill.
+
+    Args:
+        directory: output folder (``demo.json``, ``demo.png``, the file store).
+        settings: the workload's shape.
+        progress: show progress on stderr.
+        metrics_port: serve Prometheus metrics on this port while the demo runs
+            (``0``: any free port); each configuration's cache is exported
+            with the label ``config=<name>`` while it runs. Needs the
+            ``metrics`` extra.
+        metrics_addr: the address the metrics server binds.
+        on_config_done: ``await on_config_done(name, cache)`` after each
+            configuration's measured run, once its cache is idle.
+
+    Raises:
+        ConfigError: ``metrics_port`` was given and prometheus_client is
+            missing or the port cannot be bound.
     """
     store = directory / "store"
+    metrics = _MetricsServer(metrics_port, metrics_addr) if metrics_port is not None else None
+    if metrics is not None:
+        await metrics.start()
+    try:
+        return await _run_demo(directory, store, settings, progress, metrics, on_config_done)
+    finally:
+        if metrics is not None:
+            await metrics.stop()
+
+
+async def _run_demo(
+    directory: Path,
+    store: Path,
+    settings: DemoSettings,
+    progress: bool,
+    metrics: _MetricsServer | None,
+    on_config_done: ConfigHook | None,
+) -> dict[str, Any]:
 
     def prepare() -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -482,15 +582,20 @@ async def run_demo(
     await asyncio.to_thread(prepare)
     model = await asyncio.to_thread(TinyCausalLM, model_config())
     wl = build_workload(settings, model.config.vocab_size)
-    configs = demo_configs(store, settings)
+    configs = await asyncio.to_thread(demo_configs, store, settings)  # resolves a path
     bar = _Progress(wl.num_requests * (len(configs) + 1), progress)
     results: list[ConfigResult] = []
     answers: dict[str, dict[str, list[int]]] = {}
-    for name, (cfg, use_prefix) in configs.items():
-        res, runs = await _run_config(name, cfg, use_prefix, model, wl, bar)
-        results.append(res)
-        for i, r in enumerate(runs):
-            answers[name if i == len(runs) - 1 else f"{name}/fill"] = r.answers
+    try:
+        for name, (cfg, use_prefix) in configs.items():
+            res, runs = await _run_config(
+                name, cfg, use_prefix, model, wl, bar, metrics, on_config_done
+            )
+            results.append(res)
+            for i, r in enumerate(runs):
+                answers[name if i == len(runs) - 1 else f"{name}/fill"] = r.answers
+    finally:
+        bar.close()
     reference = answers["no_cache"]
     mismatched = sorted(k for k, a in answers.items() if a != reference)
     by_name = {r.name: r for r in results}
@@ -601,12 +706,22 @@ def main(
     clients: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    metrics_port: int | None = None,
+    metrics_addr: str = "127.0.0.1",
 ) -> int:
-    """Run the demo and print its report; returns the exit status (1 if the tokens differ)."""
+    """Run the demo and print its report; returns the exit status (1 if the tokens differ).
+
+    ``metrics_port`` / ``metrics_addr``: serve Prometheus metrics while it runs
+    (see `run_demo`).
+    """
     out = Path(directory)
     settings = settings_for(quick, clients, seed)
     t0 = time.perf_counter()
-    report = asyncio.run(run_demo(out, settings, progress=progress))
+    report = asyncio.run(
+        run_demo(
+            out, settings, progress=progress, metrics_port=metrics_port, metrics_addr=metrics_addr
+        )
+    )
     print(format_report(report))
     print(f"results: {out / 'demo.json'}" + (f", {report['chart']}" if report.get("chart") else ""))
     print(f"total: {time.perf_counter() - t0:.1f} s")

@@ -47,6 +47,7 @@ from tiercache.errors import (
 )
 from tiercache.index.hashing import StorageNamespace, pack_tokens, page_hashes
 from tiercache.memory.allocator import check_slot_indices
+from tiercache.observe import observe
 from tiercache.storage.base import PageKey, StorageBackend
 
 if TYPE_CHECKING:
@@ -67,6 +68,12 @@ T = TypeVar("T")
 
 #: Pages hashed inline on the loop; longer prompts are hashed in a worker thread.
 _INLINE_HASH_PAGES = 64
+
+
+def _observe_call(what: str, task: asyncio.Future[Any], seconds: float) -> None:
+    """Report one backend call's latency and outcome to `tiercache.observe`."""
+    outcome = "cancelled" if task.cancelled() else "error" if task.exception() else "ok"
+    observe("storage", what, seconds, outcome)
 
 
 class PrefetchState(enum.Enum):
@@ -326,6 +333,8 @@ class StorageTier:
             self.stats.skipped_while_down += 1
             raise BackendUnavailableError("the storage backend is down; a probe is retrying it")
         task = asyncio.ensure_future(coro)
+        t0 = time.perf_counter()
+        task.add_done_callback(lambda t: _observe_call(what, t, time.perf_counter() - t0))
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 result = await asyncio.shield(task)

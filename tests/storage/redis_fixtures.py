@@ -15,6 +15,10 @@ only when ``redis-server`` is missing.
   backend it made is cleared and closed at teardown.
 - `redis_backend_factory`: the ``BACKEND_FACTORIES`` entry of the
   conformance suite (``async (tmp_path) -> StorageBackend``).
+- ``redis_cluster``: a 3-master, 3-replica `LocalRedisCluster` shared by the
+  tests of one module (keep apart by prefix; never kill its nodes).
+- ``own_redis_cluster``: a fresh cluster for one test, which may kill nodes
+  and promote replicas.
 """
 
 from __future__ import annotations
@@ -29,7 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.redis_server import RedisServer, require_redis_server
+from tests.redis_server import (
+    LocalRedisCluster,
+    RedisServer,
+    require_redis_cluster,
+    require_redis_server,
+)
 
 from tiercache.errors import StorageError
 from tiercache.storage import StorageBackend
@@ -38,8 +47,10 @@ from tiercache.storage.redis import RedisBackend
 __all__ = [
     "MakeRedisBackend",
     "make_redis_backend",
+    "own_redis_cluster",
     "own_redis_server",
     "redis_backend_factory",
+    "redis_cluster",
     "redis_server",
     "shared_redis_server",
     "unique_prefix",
@@ -105,3 +116,17 @@ async def make_redis_backend(redis_server: RedisServer) -> AsyncIterator[MakeRed
             with contextlib.suppress(StorageError):
                 await backend.clear()
         await backend.aclose()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[LocalRedisCluster]:
+    """3 masters + 3 replicas on loopback, shared by one test module; stopped after it."""
+    with LocalRedisCluster(*require_redis_cluster()) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def own_redis_cluster() -> Iterator[LocalRedisCluster]:
+    """3 masters + 3 replicas for this test alone: it may kill masters and promote replicas."""
+    with LocalRedisCluster(*require_redis_cluster()) as cluster:
+        yield cluster

@@ -10,7 +10,11 @@ verified before it is trusted, exactly as the file backend does.
 
 Every batch is one round trip: a non-transactional pipeline of ``EXISTS``,
 ``GET``, ``SET ... NX`` or ``UNLINK`` commands, sent in one write and answered in
-one read (on a cluster, one round trip per node that owns keys of the batch).
+one read. On a Redis Cluster the batch is split by the node that owns each
+key's slot and every node gets its own pipeline, all sent at once: one round
+trip per node that owns keys of the batch. A node that fails costs only its
+own pages (misses), never the batch; the backend then reloads the cluster's
+topology by itself, so it follows a failover without being reopened.
 Every call runs under ``timeout`` seconds (socket and connect timeouts plus an
 ``asyncio.timeout`` around the whole batch) and fails with a `StorageError`
 subclass, never a ``redis`` exception. The connection pool replaces broken
@@ -37,6 +41,7 @@ from tiercache.errors import (
 )
 from tiercache.storage.base import BackendState, PageBuffer, PageKey, StorageBackend
 from tiercache.storage.format import pack_page, unpack_page
+from tiercache.storage.registry import option_bool
 
 try:
     import redis
@@ -89,9 +94,11 @@ _PASSTHROUGH_QUERY = frozenset(
     }
 )
 _OPTIONS = ("prefix", "ttl_seconds", "timeout", "max_connections", "cluster", "ping_on_open")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 _SCAN_COUNT = 1000
+#: Replies meaning the cluster's topology moved under a command: reload it, send again.
+_REDIRECTS = (redis_errors.AskError, redis_errors.TryAgainError, redis_errors.ClusterDownError)
+#: What a cluster node that failed leaves in the reply list for each of its commands.
+_NODE_FAILED = (BackendUnavailableError, StorageTimeoutError)
 _MASK = "***"
 
 
@@ -125,16 +132,6 @@ def _secrets_of(url: str) -> tuple[str, ...]:
         if k == "password" and v:
             found.update({v, quote(v)})
     return tuple(sorted((s for s in found if s), key=len, reverse=True))
-
-
-def _as_bool(name: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-        return value.lower() in _TRUE
-    raise ConfigError(f"redis option {name} must be a boolean, got {value!r}")
 
 
 def _as_positive_float(name: str, value: object) -> float:
@@ -308,8 +305,8 @@ class RedisBackend(StorageBackend):
             max_connections if max_connections is not None else ours.get("max_connections", 32),
         )
         if cluster is None:
-            cluster = url_cluster or _as_bool("cluster", ours.get("cluster", False))
-        self.cluster: bool = _as_bool("cluster", cluster)
+            cluster = url_cluster or option_bool("cluster", ours.get("cluster", False))
+        self.cluster: bool = option_bool("cluster", cluster)
         if self.cluster and scheme == "unix":
             raise ConfigError(
                 "Redis Cluster is reached over TCP: use redis+cluster:// or rediss+cluster://"
@@ -335,7 +332,11 @@ class RedisBackend(StorageBackend):
         }
         try:
             if self.cluster:
-                self._client: Any = RedisCluster.from_url(client_url, **common)
+                # Slots of a failed master stay uncovered until a replica takes
+                # over: the other masters' slots must stay usable meanwhile.
+                self._client: Any = RedisCluster.from_url(
+                    client_url, require_full_coverage=False, **common
+                )
             else:
                 pool = aioredis.BlockingConnectionPool.from_url(
                     client_url, timeout=self.timeout, **common
@@ -345,6 +346,15 @@ class RedisBackend(StorageBackend):
             raise ConfigError(
                 f"invalid redis URL {self._url_display}: {self._scrub(str(e))}"
             ) from None
+        # Cluster: one plain client per node (`_node_client`), made from the
+        # same URL with the node's address, so TLS and credentials carry over.
+        self._client_url = parts._replace(scheme=scheme, query=urlencode(passed))
+        self._common = common
+        self._node_clients: dict[str, Any] = {}
+        self._failed_nodes: dict[str, float] = {}  # node -> loop time of its last failure
+        self._refresh_task: asyncio.Task[None] | None = None
+        self._last_refresh = float("-inf")
+        self._topology_loaded = False
 
     @classmethod
     async def from_url(cls, url: str, **options: Any) -> RedisBackend:
@@ -366,7 +376,7 @@ class RedisBackend(StorageBackend):
         unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
             raise ConfigError(f"unknown redis backend option(s) {unknown}; known: {list(_OPTIONS)}")
-        ping = _as_bool("ping_on_open", options.pop("ping_on_open", True))
+        ping = option_bool("ping_on_open", options.pop("ping_on_open", True))
         backend = cls(url, **options)
         if ping:
             try:
@@ -443,19 +453,169 @@ class RedisBackend(StorageBackend):
         if not self._healthy:
             self._healthy = True
             logger.info("redis backend %s answers again", self._url_display)
-        self._stats.extra["round_trips"] = int(self._stats.extra.get("round_trips", 0)) + 1
+        if not self.cluster:  # a cluster counts its round trips per node
+            self._stats.extra["round_trips"] = int(self._stats.extra.get("round_trips", 0)) + 1
 
-    async def _pipeline(self, op: str, queue: Callable[[Any], None]) -> list[Any]:
-        """One round trip: queue commands on a non-transactional pipeline, send, read every reply.
+    async def _pipeline(
+        self, op: str, rkeys: Sequence[str], queue: Callable[[Any, int], None]
+    ) -> list[Any]:
+        """One round trip: ``queue(pipe, i)`` queues the command on ``rkeys[i]``; send, read replies.
 
         Per-command errors (``OOM``, ``WRONGTYPE``) come back as exception
-        objects in the result list instead of failing the batch.
+        objects in the result list instead of failing the batch. On a cluster
+        see `_cluster_pipeline`.
         """
+        if self.cluster:
+            return await self._cluster_pipeline(op, rkeys, queue)
         async with self._call(op):
             async with self._client.pipeline(transaction=False) as pipe:
-                queue(pipe)
+                for i in range(len(rkeys)):
+                    queue(pipe, i)
                 result: list[Any] = await pipe.execute(raise_on_error=False)
         return result
+
+    # -- Redis Cluster ---------------------------------------------------------
+
+    def _node_client(self, host: str, port: int) -> Any:
+        """The plain client of one cluster node (made on first use, kept until `aclose`)."""
+        name = f"{host}:{port}"
+        client = self._node_clients.get(name)
+        if client is None:
+            u = self._client_url
+            userinfo = u.netloc.rpartition("@")[0]
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6
+            netloc = f"{userinfo}@{address}" if userinfo else address
+            url = _unsplit(u.scheme, netloc, "", u.query, "")
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, timeout=self.timeout, **self._common
+            )
+            client = self._node_clients[name] = aioredis.Redis.from_pool(pool)
+        return client
+
+    async def _cluster_pipeline(
+        self, op: str, rkeys: Sequence[str], queue: Callable[[Any, int], None]
+    ) -> list[Any]:
+        """Split the batch by owning node; one pipeline per node, all at once.
+
+        A node that cannot be reached (or does not answer within ``timeout``)
+        yields `BackendUnavailableError` (or `StorageTimeoutError`) objects
+        for its commands, and a reload of the topology starts in the
+        background. Commands answered with ``MOVED``/``ASK``/``TRYAGAIN``/
+        ``CLUSTERDOWN`` (the topology moved under us) are sent once more after
+        an immediate reload.
+
+        The call raises only when every command failed that way *and* every
+        master failed within the last ``max(1, 2 * timeout)`` seconds: an
+        outage of the whole cluster, which the storage tier's fault policy
+        should see. One dead master only ever costs misses, so the fault
+        policy never takes the healthy masters out of service with it.
+
+        Raises:
+            BackendUnavailableError, StorageTimeoutError, StorageError: the
+                whole cluster is failing, or the topology could not be loaded.
+        """
+        if not self._topology_loaded:
+            async with self._call(op):
+                await self._client.initialize()
+            self._topology_loaded = True
+        results: list[Any] = [None] * len(rkeys)
+        todo = list(range(len(rkeys)))
+        for attempt in range(2):
+            groups: dict[tuple[str, int], list[int]] = {}
+            for i in todo:
+                try:
+                    node = self._client.get_node_from_key(rkeys[i])
+                except redis_errors.RedisClusterException as e:  # slot not covered
+                    results[i] = BackendUnavailableError(f"redis cluster: {self._scrub(str(e))}")
+                    continue
+                groups.setdefault((node.host, node.port), []).append(i)
+            answered = await asyncio.gather(
+                *(self._node_pipeline(op, h, p, idx, queue) for (h, p), idx in groups.items())
+            )
+            moved: list[int] = []
+            for idx, replies in zip(groups.values(), answered, strict=True):
+                for i, r in zip(idx, replies, strict=True):
+                    results[i] = r
+                    if isinstance(r, _REDIRECTS):
+                        moved.append(i)
+            if any(isinstance(r, _NODE_FAILED) for r in results):
+                self._refresh_topology_soon()
+            if not moved or attempt:
+                break
+            async with self._call(op):
+                await self._client.nodes_manager.initialize()
+            self._last_refresh = asyncio.get_running_loop().time()
+            todo = moved
+        if results and all(isinstance(r, _NODE_FAILED) for r in results) and self._cluster_down():
+            error = type(results[0])(f"redis {op} at {self._url_display}: {results[0]}")
+            raise self._failed(op, error)
+        if not self._healthy:
+            self._healthy = True
+            logger.info("redis backend %s answers again", self._url_display)
+        return results
+
+    def _cluster_down(self) -> bool:
+        """Every master known to the topology failed within the last ``max(1, 2 * timeout)`` s."""
+        now = asyncio.get_running_loop().time()
+        window = max(1.0, 2 * self.timeout)
+        primaries = [f"{n.host}:{n.port}" for n in self._client.get_primaries()]
+        return all(now - self._failed_nodes.get(p, float("-inf")) < window for p in primaries)
+
+    async def _node_pipeline(
+        self, op: str, host: str, port: int, idx: list[int], queue: Callable[[Any, int], None]
+    ) -> list[Any]:
+        """One round trip to one node; its failure becomes per-command errors."""
+        name = f"{host}:{port}"
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with self._node_client(host, port).pipeline(transaction=False) as pipe:
+                    for i in idx:
+                        queue(pipe, i)
+                    replies: list[Any] = await pipe.execute(raise_on_error=False)
+        except (TimeoutError, redis_errors.RedisError, OSError) as e:
+            if self.state is BackendState.CLOSED:
+                raise BackendUnavailableError(f"the {self.name} backend is closed") from None
+            self._stats.errors += 1
+            detail = self._scrub(str(e)) or f"no answer within {self.timeout:g} s"
+            first = name not in self._failed_nodes
+            self._failed_nodes[name] = asyncio.get_running_loop().time()
+            if first:
+                logger.warning(
+                    "redis cluster %s: node %s failed (%s: %s); its pages are misses",
+                    self._url_display,
+                    name,
+                    type(e).__name__,
+                    detail,
+                )
+            timed_out = isinstance(e, TimeoutError | redis_errors.TimeoutError)
+            kind = StorageTimeoutError if timed_out else BackendUnavailableError
+            err = kind(f"redis {op} at node {name}: {detail}")
+            return [err] * len(idx)
+        if self._failed_nodes.pop(name, None) is not None:
+            logger.info("redis cluster %s: node %s answers again", self._url_display, name)
+        self._stats.extra["round_trips"] = int(self._stats.extra.get("round_trips", 0)) + 1
+        key = f"round_trips@{name}"
+        self._stats.extra[key] = int(self._stats.extra.get(key, 0)) + 1
+        return replies
+
+    def _refresh_topology_soon(self) -> None:
+        """Reload the slot map in the background (at most one reload at a time, 4 per second)."""
+        loop = asyncio.get_running_loop()
+        if self._refresh_task is not None or loop.time() - self._last_refresh < 0.25:
+            return
+        self._last_refresh = loop.time()
+
+        async def refresh() -> None:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await self._client.nodes_manager.initialize()
+            except (TimeoutError, redis_errors.RedisError, OSError) as e:
+                logger.debug("redis cluster %s: topology reload failed: %r", self._url_display, e)
+            finally:
+                self._refresh_task = None
+                self._last_refresh = loop.time()
+
+        self._refresh_task = loop.create_task(refresh())
 
     # -- the StorageBackend interface ---------------------------------------
 
@@ -472,11 +632,8 @@ class RedisBackend(StorageBackend):
         if not keys:
             return 0
 
-        def queue(pipe: Any) -> None:
-            for k in keys:
-                pipe.exists(self._rkey(k))
-
-        replies = await self._pipeline("exists", queue)
+        rkeys = [self._rkey(k) for k in keys]
+        replies = await self._pipeline("exists", rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
         hits = 0
         for r in replies:
             if isinstance(r, Exception) or not r:
@@ -502,14 +659,13 @@ class RedisBackend(StorageBackend):
         if not keys:
             return []
 
-        def queue(pipe: Any) -> None:
-            for k in keys:
-                pipe.get(self._rkey(k))
-
-        replies = await self._pipeline("get", queue)
+        rkeys = [self._rkey(k) for k in keys]
+        replies = await self._pipeline("get", rkeys, lambda pipe, i: pipe.get(rkeys[i]))
         blobs: list[bytes | None] = []
         for k, r in zip(keys, replies, strict=True):
-            if isinstance(r, Exception):
+            if isinstance(r, _NODE_FAILED):
+                r = None  # its node failed: logged and counted once per node
+            elif isinstance(r, Exception):
                 logger.warning(
                     "redis backend %s: GET %s failed: %s", self._url_display, k, self._scrub(str(r))
                 )
@@ -579,18 +735,21 @@ class RedisBackend(StorageBackend):
             values = _pack_values(keys, pages)
         px = self._px
 
-        def queue(pipe: Any) -> None:
-            for k, v in zip(keys, values, strict=True):
-                pipe.set(self._rkey(k), v, nx=True, px=px)
-
-        replies = await self._pipeline("set", queue)
+        rkeys = [self._rkey(k) for k in keys]
+        replies = await self._pipeline(
+            "set", rkeys, lambda pipe, i: pipe.set(rkeys[i], values[i], nx=True, px=px)
+        )
         stored: list[bool] = []
         for k, page, r in zip(keys, pages, replies, strict=True):
             if isinstance(r, Exception):
-                logger.warning(
-                    "redis backend %s: SET %s failed: %s", self._url_display, k, self._scrub(str(r))
-                )
-                self._stats.errors += 1
+                if not isinstance(r, _NODE_FAILED):  # a failed node is logged once
+                    logger.warning(
+                        "redis backend %s: SET %s failed: %s",
+                        self._url_display,
+                        k,
+                        self._scrub(str(r)),
+                    )
+                    self._stats.errors += 1
                 stored.append(False)
                 continue
             stored.append(True)
@@ -607,12 +766,10 @@ class RedisBackend(StorageBackend):
         if not keys:
             return 0
 
-        def queue(pipe: Any) -> None:
-            for k in keys:
-                # execute_command: a cluster pipeline's unlink() is not queueable
-                pipe.execute_command("UNLINK", self._rkey(k))
-
-        replies = await self._pipeline("delete", queue)
+        rkeys = [self._rkey(k) for k in keys]
+        replies = await self._pipeline(
+            "delete", rkeys, lambda pipe, i: pipe.execute_command("UNLINK", rkeys[i])
+        )
         removed = sum(int(r) for r in replies if not isinstance(r, Exception))
         self._stats.evictions += removed
         return removed
@@ -653,6 +810,15 @@ class RedisBackend(StorageBackend):
         if self.state is BackendState.CLOSED:
             return
         await super().aclose()
+        task, self._refresh_task = self._refresh_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for client in self._node_clients.values():
+            with contextlib.suppress(redis_errors.RedisError, OSError):
+                await client.aclose()
+        self._node_clients.clear()
         try:
             await self._client.aclose()
         except (redis_errors.RedisError, OSError) as e:

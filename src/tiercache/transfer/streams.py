@@ -6,10 +6,13 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
+
+from tiercache.observe import observe
 
 __all__ = ["CopyStream"]
 
@@ -86,10 +89,12 @@ class CopyStream:
             raise RuntimeError(f"copy stream {self.name} is closed")
 
         def run() -> T:
+            t0 = time.perf_counter()
             try:
                 with self._context(), torch.inference_mode():
                     return job()
             finally:
+                observe("copy", self.name, time.perf_counter() - t0)
                 with self._lock:
                     self._pending -= 1
 
