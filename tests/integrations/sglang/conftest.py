@@ -9,7 +9,6 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from tests.integrations.sglang import sglang_helpers as h
@@ -68,8 +67,3 @@ def redis_server() -> Iterator[RedisServer]:
     binary = require_redis_server()
     with RedisServer(binary) as server:
         yield server
-
-
-def extra(url: str, **options: Any) -> dict[str, Any]:
-    """The extra config that loads tiercache's backend, with ``options``."""
-    return {**h.EXTRA, "interface_v1": 1, "url": url, **options}

@@ -40,6 +40,11 @@ EXTRA = {
 }
 
 
+def extra(url: str, **options: Any) -> dict[str, Any]:
+    """The extra config that loads tiercache's backend (zero-copy path) with ``options``."""
+    return {**EXTRA, "interface_v1": 1, "url": url, **options}
+
+
 def _use_standin(name: str) -> None:
     """Import the stand-in package ``stubs/<name>`` as ``name`` unless the real one imports."""
     try:

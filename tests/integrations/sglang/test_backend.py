@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 from tests.integrations.sglang import sglang_helpers as h
-from tests.integrations.sglang.conftest import extra
 
 pytestmark = pytest.mark.sglang
 
@@ -23,7 +22,7 @@ def _backend(
     url: str, host: Any, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, **options: Any
 ) -> Any:
     config = h.storage_config(
-        extra_config=extra(url, **options),
+        extra_config=h.extra(url, **options),
         model_name="m",
         tp_rank=tp_rank,
         tp_size=tp_size,

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 from tests.integrations.sglang import sglang_helpers as h
-from tests.integrations.sglang.conftest import extra
 
 pytestmark = pytest.mark.sglang
 
@@ -68,7 +67,7 @@ def _pair(
 def test_round_trip_two_controllers_sharing_a_file_store(
     instances: list[h.Instance], file_store: str, g: h.Geometry
 ) -> None:
-    a, b = _pair(instances, g, extra(file_store))
+    a, b = _pair(instances, g, h.extra(file_store))
     tokens = _tokens(PAGES, g.page_size)
     a_idx, _ = _written(a, tokens)
     assert a.backend.stats()["set_stored"] == PAGES
@@ -91,7 +90,7 @@ def test_round_trip_two_controllers_sharing_a_file_store(
 def test_round_trip_two_controllers_sharing_redis(
     instances: list[h.Instance], redis_server: Any, g: h.Geometry
 ) -> None:
-    a, b = _pair(instances, g, extra(redis_server.url))
+    a, b = _pair(instances, g, h.extra(redis_server.url))
     tokens = _tokens(PAGES, g.page_size, seed=3)
     a_idx, _ = _written(a, tokens, seed=4)
 
@@ -106,7 +105,7 @@ def test_round_trip_through_the_generic_path(
 ) -> None:
     """Without ``interface_v1`` the controller moves flat page tensors (batch_get/batch_set)."""
     g = h.Geometry(layout=layout)
-    a, b = _pair(instances, g, extra(file_store, interface_v1=0))
+    a, b = _pair(instances, g, h.extra(file_store, interface_v1=0))
     tokens = _tokens(PAGES, g.page_size, seed=5)
     a_idx, _ = _written(a, tokens, seed=6)
 
@@ -119,9 +118,9 @@ def test_pages_written_by_the_generic_path_are_read_by_the_zero_copy_path(
     instances: list[h.Instance], file_store: str
 ) -> None:
     g = h.Geometry(layout="layer_first")
-    a = h.make_instance(g, extra(file_store, interface_v1=0))
+    a = h.make_instance(g, h.extra(file_store, interface_v1=0))
     instances.append(a)
-    b = h.make_instance(g, extra(file_store, interface_v1=1))
+    b = h.make_instance(g, h.extra(file_store, interface_v1=1))
     instances.append(b)
     tokens = _tokens(PAGES, g.page_size, seed=7)
     a_idx, _ = _written(a, tokens, seed=8)
@@ -135,7 +134,7 @@ def test_partial_existence_prefetches_the_leading_run(
     instances: list[h.Instance], file_store: str
 ) -> None:
     g = h.Geometry()
-    a, b = _pair(instances, g, extra(file_store))
+    a, b = _pair(instances, g, h.extra(file_store))
     ps = g.page_size
     tokens = _tokens(PAGES, ps, seed=9)
     hashes = h.chain(tokens, ps)
@@ -152,7 +151,7 @@ def test_partial_existence_prefetches_the_leading_run(
 
 def test_a_prefix_never_stored_is_a_miss(instances: list[h.Instance], file_store: str) -> None:
     g = h.Geometry()
-    a, b = _pair(instances, g, extra(file_store))
+    a, b = _pair(instances, g, h.extra(file_store))
     _written(a, _tokens(PAGES, g.page_size, seed=11))
 
     got = h.prefetch(b, _tokens(PAGES, g.page_size, seed=12))
@@ -164,7 +163,7 @@ def test_a_corrupt_page_is_a_miss_and_is_removed(
     instances: list[h.Instance], tmp_path: Path, file_store: str
 ) -> None:
     g = h.Geometry()
-    a, b = _pair(instances, g, extra(file_store))
+    a, b = _pair(instances, g, h.extra(file_store))
     ps = g.page_size
     tokens = _tokens(PAGES, ps, seed=13)
     a_idx, hashes = _written(a, tokens, seed=14)
@@ -188,7 +187,7 @@ def test_backend_down_mid_prefetch_is_a_miss_and_sglang_keeps_serving(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     g = h.Geometry()
-    cfg = extra(redis_server.url, timeout_s=2.0)
+    cfg = h.extra(redis_server.url, timeout_s=2.0)
     a, b = _pair(instances, g, cfg)
     ps = g.page_size
     tokens = _tokens(PAGES, ps, seed=15)

@@ -12,7 +12,6 @@ import random
 
 import pytest
 from tests.integrations.sglang import sglang_helpers as h
-from tests.integrations.sglang.conftest import extra
 
 pytestmark = pytest.mark.sglang
 
@@ -31,9 +30,9 @@ def test_sglang_failure_injector_on_top_of_the_backend(
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.3")
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.002")
     g = h.Geometry()
-    a = h.make_instance(g, extra(file_store))
+    a = h.make_instance(g, h.extra(file_store))
     instances.append(a)
-    b = h.make_instance(g, extra(file_store))
+    b = h.make_instance(g, h.extra(file_store))
     instances.append(b)
     for inst in (a, b):
         assert isinstance(inst.backend, s.FailureInjector)

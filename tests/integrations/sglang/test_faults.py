@@ -8,13 +8,12 @@ from typing import Any
 import pytest
 import torch
 from tests.integrations.sglang import sglang_helpers as h
-from tests.integrations.sglang.conftest import extra
 
 pytestmark = pytest.mark.sglang
 
 
 def _backend(url: str, host: Any, **options: Any) -> Any:
-    config = h.storage_config(extra_config=extra(url, **options), model_name="m")
+    config = h.storage_config(extra_config=h.extra(url, **options), model_name="m")
     backend = h.sg().StorageBackendFactory.create_backend("dynamic", config, host)
     backend.register_mem_pool_host(host)
     return backend

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 from tests.integrations.sglang import sglang_helpers as h
-from tests.integrations.sglang.conftest import extra
 
 from tiercache import TierCache, TierCacheConfig
 
@@ -74,7 +73,7 @@ def _tokens(seed: int, g: h.Geometry) -> list[int]:
 def test_a_tiercache_reads_pages_sglang_stored(
     instances: list[h.Instance], file_store: str, g: h.Geometry
 ) -> None:
-    a = h.make_instance(g, extra(file_store), model_name=MODEL)
+    a = h.make_instance(g, h.extra(file_store), model_name=MODEL)
     instances.append(a)
     tokens = _tokens(1, g)
     h.fill_random(a.host, 2)
@@ -123,7 +122,7 @@ def test_sglang_reads_pages_a_tiercache_stored(
             ]
 
     want = asyncio.run(write())
-    b = h.make_instance(g, extra(file_store), model_name=MODEL)
+    b = h.make_instance(g, h.extra(file_store), model_name=MODEL)
     instances.append(b)
     got = h.prefetch(b, tokens)
     assert got.completed_tokens == len(tokens)

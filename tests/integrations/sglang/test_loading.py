@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 from tests.integrations.sglang import sglang_helpers as h
-from tests.integrations.sglang.conftest import extra
 
 pytestmark = pytest.mark.sglang
 
@@ -30,7 +29,7 @@ def _tiercache_threads() -> list[str]:
 def test_factory_loads_the_backend_by_module_and_class(file_store: str) -> None:
     from tiercache.integrations.sglang import TierCacheStorage
 
-    backend = _create(extra(file_store))
+    backend = _create(h.extra(file_store))
     try:
         assert type(backend) is TierCacheStorage
         assert isinstance(backend, h.sg().HiCacheStorage)
@@ -62,7 +61,7 @@ def test_a_bad_option_is_refused_with_its_name(
 
     before = _tiercache_threads()
     with pytest.raises(ConfigError, match=named):
-        _create({**extra(file_store), **options})
+        _create({**h.extra(file_store), **options})
     assert _tiercache_threads() == before
 
 
@@ -71,13 +70,13 @@ def test_an_unopenable_url_fails_the_attach_and_leaves_no_thread() -> None:
 
     before = _tiercache_threads()
     with pytest.raises(TierCacheError):
-        _create(extra("nosuchscheme://x"))
+        _create(h.extra("nosuchscheme://x"))
     assert _tiercache_threads() == before
 
 
 def test_options_reach_the_tiercache_backend(file_store: str) -> None:
     backend = _create(
-        extra(
+        h.extra(
             file_store,
             timeout_s=2.5,
             fault_policy="none",
@@ -101,7 +100,7 @@ def test_an_unsupported_host_layout_is_refused_by_name(file_store: str) -> None:
 
     g = h.Geometry(layout="page_first_direct")
     host = h.host_pool(g, h.device_pool(g))
-    config = h.storage_config(extra_config=extra(file_store), model_name="m")
+    config = h.storage_config(extra_config=h.extra(file_store), model_name="m")
     backend = h.sg().StorageBackendFactory.create_backend("dynamic", config, host)
     try:
         with pytest.raises(ConfigError, match="page_first_direct"):
@@ -119,7 +118,7 @@ def test_close_leaves_no_thread_and_no_file_descriptor(redis_server: Any) -> Non
     host = h.host_pool(g, h.device_pool(g))
     h.fill_random(host, 0)
     threads_before, fds_before = _tiercache_threads(), _fds()
-    backend = _create(extra(redis_server.url), g)
+    backend = _create(h.extra(redis_server.url), g)
     backend.register_mem_pool_host(host)
     keys = h.chain(list(range(16)), 4)
     idx = host.alloc(16)
