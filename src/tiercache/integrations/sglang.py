@@ -208,7 +208,15 @@ class SGLangOptions:
 
 @dataclass(slots=True)
 class AdapterStats:
-    """What the adapter did for SGLang (`TierCacheStorage.stats`)."""
+    """What the adapter did for SGLang (`TierCacheStorage.stats`).
+
+    Counted on SGLang's threads, under a lock: ``get_*`` / ``set_*`` are pages
+    asked for and pages served or stored, ``exists_*`` hit queries and the
+    pages they found; ``errors`` and ``timeouts`` are failed calls (each a miss
+    for SGLang); ``skipped_while_down`` calls not made under the fault policy
+    or after close; ``skipped_not_writer`` MLA pages not written on ranks
+    other than 0.
+    """
 
     get_pages: int = 0
     get_hits: int = 0
@@ -686,7 +694,19 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._call("clear", self.backend.clear(), None)
 
     def stats(self) -> dict[str, Any]:
-        """The adapter's counters and the backend's, as one dict (``backend.*`` keys)."""
+        """A snapshot of the counters, as one dict.
+
+        Returns:
+            The `AdapterStats` fields (pages asked for and served, errors,
+            timeouts, calls skipped while the backend was down, MLA writes
+            skipped on ranks other than 0); ``outages`` and ``reconnects`` of
+            the fault policy and ``down`` (the backend is not being called);
+            and the storage backend's own `BackendStats` under ``backend.*``
+            (absent once closed or when the backend does not answer in
+            ``timeout_s``).
+
+        Called from any thread but the loop's.
+        """
         with self._stats_lock:
             out: dict[str, Any] = asdict(self.stats_)
         out.update(outages=self.outages, reconnects=self.reconnects, down=self._down)
