@@ -5,12 +5,13 @@ PY      = $(VENV)/bin/python
 # The CPU build of torch: an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test test-core test-engines bench bench-quick stress lint typecheck check clean
+.PHONY: install run test test-core test-engines bench bench-engines bench-quick stress lint typecheck check clean
 
 # Engine integration suites (mk/*.mk) each add their target to ENGINE_TESTS. Each one
 # builds its own virtual environment with the engine installed --no-deps at a pinned
 # version: engines are test-only, never dependencies of the package.
 ENGINE_TESTS :=
+ENGINE_BENCHES :=
 -include mk/*.mk
 
 $(VENV)/.installed: pyproject.toml
@@ -36,6 +37,9 @@ test-engines: $(ENGINE_TESTS)
 
 bench: install
 	$(PY) -m tiercache bench
+	$(MAKE) --no-print-directory bench-engines
+
+bench-engines: $(ENGINE_BENCHES)
 
 bench-quick: install
 	$(PY) -m tiercache bench --quick

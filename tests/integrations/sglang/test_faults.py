@@ -1,0 +1,105 @@
+"""Deadlines and the fault policy of the backend, as SGLang's threads see them."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from tests.integrations.sglang import sglang_helpers as h
+
+pytestmark = pytest.mark.sglang
+
+
+def _backend(url: str, host: Any, **options: Any) -> Any:
+    config = h.storage_config(extra_config=h.extra(url, **options), model_name="m")
+    backend = h.sg().StorageBackendFactory.create_backend("dynamic", config, host)
+    backend.register_mem_pool_host(host)
+    return backend
+
+
+def _host() -> Any:
+    g = h.Geometry()
+    host = h.host_pool(g, h.device_pool(g))
+    h.fill_random(host, 0)
+    return host
+
+
+def _wait(cond: Any, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_a_hung_store_costs_one_deadline_and_is_a_miss(redis_server: Any) -> None:
+    host = _host()
+    b = _backend(redis_server.url, host, timeout_s=0.3, fault_policy="none")
+    keys = h.chain(list(range(16)), 4)
+    idx = torch.arange(16)
+    try:
+        assert b.batch_set_v1(keys, idx) == [True] * 4
+        redis_server.pause()  # the server stops answering; connections stay open
+        t0 = time.monotonic()
+        assert b.batch_get_v1(keys, torch.arange(32, 48)) == [False] * 4
+        assert b.batch_exists(keys) == 0
+        elapsed = time.monotonic() - t0
+        assert 0.5 <= elapsed < 3.0  # two calls, one deadline each
+        assert b.stats()["timeouts"] == 2
+        redis_server.resume()
+        assert b.batch_exists(keys) == 4
+    finally:
+        redis_server.resume()
+        b.close()
+
+
+def test_auto_reconnect_stops_calling_a_dead_store_and_resumes_when_it_answers(
+    redis_server: Any,
+) -> None:
+    host = _host()
+    b = _backend(
+        redis_server.url,
+        host,
+        timeout_s=1.0,
+        fault_threshold=2,
+        reconnect_backoff_s=0.05,
+        reconnect_backoff_max_s=0.2,
+    )
+    keys = h.chain(list(range(16)), 4)
+    idx = torch.arange(16)
+    try:
+        redis_server.kill()
+        assert b.batch_exists(keys) == 0
+        assert b.batch_set_v1(keys, idx) == [False] * 4
+        s = b.stats()
+        assert s["outages"] == 1 and s["down"] is True
+        # Down: calls return at once without reaching the store.
+        t0 = time.monotonic()
+        assert b.batch_get_v1(keys, idx) == [False] * 4
+        assert time.monotonic() - t0 < 0.5
+        assert b.stats()["skipped_while_down"] == 1
+
+        redis_server.start()
+        _wait(lambda: not b.stats()["down"])
+        assert b.stats()["reconnects"] == 1
+        assert b.batch_set_v1(keys, idx) == [True] * 4
+        assert b.batch_exists(keys) == 4
+    finally:
+        b.close()
+
+
+def test_auto_detach_stops_calling_the_store_for_good(redis_server: Any) -> None:
+    host = _host()
+    b = _backend(redis_server.url, host, fault_policy="auto_detach", fault_threshold=1)
+    keys = h.chain(list(range(8)), 4)
+    try:
+        redis_server.kill()
+        assert b.batch_exists(keys) == 0
+        redis_server.start()
+        time.sleep(0.3)
+        assert b.batch_exists(keys) == 0
+        s = b.stats()
+        assert s["down"] is True and s["reconnects"] == 0 and s["skipped_while_down"] == 1
+    finally:
+        b.close()
