@@ -30,3 +30,4 @@ bench-vllm: install-vllm
 	$(VLLM_PY) benchmarks/bench_vllm.py
 
 ENGINE_TESTS += test-vllm
+ENGINE_BENCHES += bench-vllm
