@@ -880,19 +880,40 @@ class TierCache(AsyncResource):
             del self._pending_loads[ack]
             if fut.cancelled() or fut.exception() is not None:
                 self._rollback_load(pending)
-            for dev in pending.orphans:
-                self._controller.device_allocator.free(dev, checked=True)
+            self._free_when_settled(ack, pending.orphans)
             try:
                 self.index.unlock(pending.target)
             except StateError:
                 pass
             self._notify_room()
 
+    def _free_when_settled(self, ack: CopyAck, slots: list[torch.Tensor]) -> None:
+        """Free ``slots`` once ``ack``'s copy is settled in the controller's books.
+
+        A copy run inline on the loop has ended before its ack is resolved
+        (its pages still count as busy until then): the free waits for that.
+        """
+        if not slots:
+            return
+
+        def free(_a: object = None) -> None:
+            ctl = self._controller
+            if ctl is None or self.state is not CacheState.OPEN:
+                return
+            for dev in slots:
+                ctl.device_allocator.free(dev, checked=True)
+            self._notify_room()
+
+        if ack.done():
+            free()
+        else:
+            ack.add_done_callback(free)
+
     def _rollback_load(self, failed: _PendingLoad) -> None:
         """Take from the index every node that claims slots of the failed load, and what hangs under it.
 
-        Slots whose own load is still in flight are freed when it settles;
-        the rest now (this load has settled: its copy no longer writes them).
+        Slots that a load still in flight writes are freed when it settles;
+        the rest when the failed copy is settled (see `_free_when_settled`).
         """
         ps = self.layout.page_size
         bad = set(self._pages(failed.device_indices).tolist())
@@ -911,7 +932,6 @@ class TierCache(AsyncResource):
                 roots.append(n)
             else:
                 stack.extend(n.children.values())
-        ctl = self.controller
         for n in roots:
             for dev in self.index.detach_failed_load(n):
                 self._set_index_pages(dev, False)
@@ -923,10 +943,7 @@ class TierCache(AsyncResource):
                     ),
                     None,
                 )
-                if owner is not None:
-                    owner.orphans.append(dev)
-                else:
-                    ctl.device_allocator.free(dev, checked=True)
+                (owner or failed).orphans.append(dev)
         logger.warning(
             "a load back of %d tokens failed: its nodes are host-only again",
             failed.device_indices.numel(),
