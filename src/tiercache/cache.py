@@ -18,6 +18,17 @@ or uses the verbs `match_prefix`, `load_back`, `prefetch`, `alloc_device`,
 `insert`, `lock` / `unlock` directly. Every method runs on the loop that
 opened the cache; the bookkeeping is synchronous, so an ``await`` never
 interrupts it halfway.
+
+Three rules hold at every verb:
+
+- Arguments are checked before anything changes (`tiercache._checks`): a
+  refused call leaves the index, the allocators and the request as they were.
+- The index never claims KV that did not land: the cache knows which device
+  pages the index holds, and a failed load back hands its nodes back to the
+  host tier and frees their slots once the copy has settled.
+- Device room that others hold is waited for, not failed on: one loop
+  (`TierCache._take_room`) serves allocations first come, first served, up
+  to ``config.alloc_timeout_s``.
 """
 
 from __future__ import annotations
