@@ -395,3 +395,32 @@ async def test_an_exact_repeat_always_leaves_a_token_to_compute(length: int) -> 
                 await req.commit(P, torch.cat([req.prefix_indices, slots]))
         await c.wait_idle()
         check_accounting(c)
+
+
+# -- cancellation at every await ---------------------------------------------------------
+
+
+async def test_cancelling_a_request_at_any_await_leaves_exact_accounting() -> None:
+    """Two requests over one prefix on every tier; one is cancelled after k loop iterations."""
+    P = list(range(100, 164))  # four pages
+    for k in range(40):
+        async with TierCache(config(device_tokens=128, alloc_timeout_s=2.0)) as c:
+            await c.attach_storage(MemoryBackend())
+            await serve(c, P[:32] + [1])
+            await c.wait_idle()
+            await serve(c, P + [1])  # pages 3-4 on device, 1-2 too; all on host and in storage
+            await c.wait_idle()
+            await c.evict_device(128)  # host and storage only
+            await c.evict_host(16)  # the last page from storage only
+            victim = asyncio.create_task(serve(c, P + [2]))
+            other = asyncio.create_task(serve(c, P + [3]))
+            for _ in range(k):
+                await asyncio.sleep(0)
+            victim.cancel()
+            results = await asyncio.gather(victim, other, return_exceptions=True)
+            assert isinstance(results[1], int), (k, results)
+            assert isinstance(results[0], int | asyncio.CancelledError), (k, results)
+            await c.wait_idle()
+            check_accounting(c)
+            assert not any(n.lock_ref or n.host_pin for n in c.index.nodes())
+            assert await serve(c, P + [4]) == 64
