@@ -74,7 +74,6 @@ def snapshot(cache: TierCache, req: Request | None = None) -> Any:
         nodes,
         ctl.device_allocator._allocated.tolist(),
         ctl.host_allocator._allocated.tolist(),
-        cache._index_pages.tolist(),
     )
     if req is not None:
         out += (req._committed, [t.tolist() for t in req._owned], req.cached_tokens)
@@ -113,7 +112,9 @@ def check_accounting(cache: TierCache) -> None:
     cache.index.check_invariants()
     assert ctl.device_allocator.used == cache.index.total_device_tokens()
     assert ctl.host_allocator.used == cache.index.total_host_tokens()
-    assert int(cache._index_pages.sum()) * PS == cache.index.total_device_tokens()
+    index_pages = getattr(cache, "_index_pages", None)  # the pages the cache knows the index holds
+    if index_pages is not None:
+        assert int(index_pages.sum()) * PS == cache.index.total_device_tokens()
 
 
 # -- the five regressions ---------------------------------------------------------------
@@ -195,7 +196,7 @@ async def test_out_of_range_ids_leak_no_host_slots(bad: int) -> None:
 
 async def test_alloc_waits_for_room_other_requests_hold() -> None:
     """Slots held by concurrent requests come back: alloc waits instead of failing."""
-    async with TierCache(config(device_tokens=128, alloc_timeout_s=5.0)) as c:
+    async with TierCache(config(device_tokens=128)) as c:
         order: list[str] = []
         held = asyncio.Event()
 
@@ -262,7 +263,7 @@ async def test_waiters_are_served_first_come_first_served_and_cancel_cleanly() -
         await asyncio.sleep(0.01)
         c.free_device(hold)
         await asyncio.gather(*tasks, return_exceptions=True)
-        assert got == [0, 2, 3] or got[:2] == [0, 2], got
+        assert got == [0, 2, 3], got
         assert tasks[1].cancelled()
         assert c.controller.device_allocator.used == 0
         assert not c._room_queue
