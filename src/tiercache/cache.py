@@ -1208,8 +1208,10 @@ class Request:
     """One request's view of the cache, from `TierCache.request`.
 
     Attributes:
-        tokens: the prompt.
-        cached_tokens: leading tokens whose KV is on the device (or loading).
+        tokens: the prompt, as a list of ints.
+        cached_tokens: leading tokens whose KV is on the device (or loading):
+            whole pages, at most ``len(tokens) - 1`` (one token is always left
+            to compute).
         prefix_indices: their device slots.
         load: the `LoadHandle` of the part this request loaded back from host, or ``None``.
         loads: every load the prefix waits on (its own, and loads started by
