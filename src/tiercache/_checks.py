@@ -49,12 +49,15 @@ def token_list(tokens: object, what: str = "tokens") -> list[int]:
             dtype, not 1-D, or an id outside ``[0, 2**32)``.
     """
     if isinstance(tokens, torch.Tensor):
-        if tokens.dtype not in _INT_DTYPES:
-            raise InvalidInputError(f"{what} must be an integer tensor, got dtype {tokens.dtype}")
+        dt = tokens.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+            raise InvalidInputError(f"{what} must be an integer tensor, got dtype {dt}")
         if tokens.dim() != 1:
             raise InvalidInputError(f"{what} must be 1-D, got shape {tuple(tokens.shape)}")
         t = tokens.detach()
         t = t.cpu() if t.device.type != "cpu" else t
+        if dt not in _INT_DTYPES:  # unsigned 16/32/64-bit: as `hash_page` reads them
+            t = t.long()
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= TOKEN_LIMIT):
             raise InvalidInputError(
                 f"{what} must lie in [0, 2**32): min {int(t.min())}, max {int(t.max())}"
