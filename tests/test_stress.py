@@ -140,6 +140,7 @@ def check_accounting(cache: TierCache, c: Counters) -> None:
     assert int(cache._index_pages.sum()) * PS == cache.index.total_device_tokens()
     assert not any(n.lock_ref for n in cache.index.nodes())
     assert not cache._pending_loads
+    assert not cache._request_pages.any()
     c.accounting_checks += 1
 
 

@@ -199,6 +199,9 @@ class TierCache(AsyncResource):
         # Device pages some index node holds: `insert` refuses slots the
         # index already owns, and a failed load frees what nobody owns.
         self._index_pages = np.zeros(0, dtype=np.bool_)
+        # Device pages an open request got from `Request.alloc` and still
+        # owns: only that request may commit or free them.
+        self._request_pages = np.zeros(0, dtype=np.bool_)
         # Tasks waiting for device room, first come first served; the event
         # is set (and replaced) whenever room may have appeared.
         self._room_queue: deque[object] = deque()
@@ -272,6 +275,7 @@ class TierCache(AsyncResource):
             raise
         self._controller = ctl
         self._index_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
+        self._request_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
         self.state = CacheState.OPEN
         return self
 
@@ -518,6 +522,10 @@ class TierCache(AsyncResource):
         )
         if bool(self._index_pages[self._pages(dev)].any()):
             raise InvalidInputError("free_device: some of these slots hold cached KV of the index")
+        if bool(self._request_pages[self._pages(dev)].any()):
+            raise InvalidInputError(
+                "free_device: some of these slots belong to an open request (it frees them)"
+            )
         ctl.evict_device(dev)
         self._notify_room()
 
@@ -653,10 +661,20 @@ class TierCache(AsyncResource):
             InvalidInputError: bad tokens, ``device_indices`` not a 1-D int64
                 tensor with one slot per token, slots that are not
                 page-aligned, not allocated, listed twice, or (for the new
-                pages) already held by the index.
+                pages) already held by the index or by an open request.
             StateError: the load back of the cached part failed (the prefix
                 is not on the device; request it again).
         """
+        return await self._insert(tokens, device_indices, extra_key, owner=None)
+
+    async def _insert(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        device_indices: torch.Tensor,
+        extra_key: str | None,
+        owner: torch.Tensor | None,
+    ) -> int:
+        """`insert`; ``owner``: slots of the committing request, which it may pass (and gives up)."""
         ctl = self._check()
         toks = self._tokens(tokens)
         self._check_extra_key(extra_key)
@@ -689,6 +707,13 @@ class TierCache(AsyncResource):
                 raise InvalidInputError(
                     "device_indices include slots that hold other cached KV of the index"
                 )
+            held = self._request_pages[self._pages(fresh)]
+            if owner is not None and owner.numel():
+                held &= ~np.isin(self._pages(fresh), self._pages(owner))
+            if bool(held.any()):
+                raise InvalidInputError(
+                    "device_indices include slots an open request owns (commit them through it)"
+                )
             if ctl.ack_busy("device", fresh):
                 raise InvalidInputError("device_indices include slots with a copy in flight")
         result = self.index.insert(toks[:n], dev, extra_key)
@@ -700,6 +725,8 @@ class TierCache(AsyncResource):
                 ctl.device_allocator.free(dup[differ].reshape(-1), checked=True)
                 self._notify_room()
         self._set_index_pages(dev[result.prefix_len :], True)
+        if owner is not None and owner.numel():
+            self._request_pages[self._pages(owner)] = False
         self._stats.tokens_inserted += n - result.prefix_len
         node = result.node
         if node is not None and self.config.write_policy == "write_through":
@@ -1172,6 +1199,7 @@ class TierCache(AsyncResource):
         await ctl.reset()
         self.index.reset()
         self._index_pages[:] = False
+        self._request_pages[:] = False
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters, including the controller's and the storage tier's."""
@@ -1281,6 +1309,7 @@ class Request:
         own = sum(int(t.numel()) for t in self._owned)
         slots = await self.cache._alloc_device(pages, own=own)
         self._owned.append(slots)
+        self.cache._request_pages[self.cache._pages(slots)] = True
         return slots[:n]
 
     async def commit(
@@ -1341,8 +1370,9 @@ class Request:
                     f"the load back of this request's prefix failed ({e!r}): nothing committed"
                 ) from e
             # The prefix is already in the index: insert() frees nothing of it
-            # (the same slots), and takes the new pages' slots.
-            dup = await cache.insert(toks[:n], slots[:n], self.extra_key)
+            # (the same slots), and takes the new pages' slots, which stop
+            # being the request's (handed over, or freed as duplicates).
+            dup = await cache._insert(toks[:n], slots[:n], self.extra_key, owner=new)
         finally:
             self._committing = False
         self._committed = True
@@ -1364,6 +1394,7 @@ class Request:
         ctl = cache.controller
         for slots in self._owned:
             if slots.numel():
+                cache._request_pages[cache._pages(slots)] = False
                 ctl.evict_device(slots)
         self._owned = []
         cache._notify_room()

@@ -543,6 +543,8 @@ class CacheModel(RuleBasedStateMachine):
         assert ctl.host_allocator.used == index.total_host_tokens()
         assert int(cache._index_pages.sum()) * PS == index.total_device_tokens()
         assert not cache._pending_loads
+        if not self.held:
+            assert not cache._request_pages.any()
         for node in index.nodes():
             full = index.prefix_tokens(node)
             start = len(full) - node.num_tokens

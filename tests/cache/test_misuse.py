@@ -425,3 +425,20 @@ async def test_cancelling_a_request_at_any_await_leaves_exact_accounting() -> No
             check_accounting(c)
             assert not any(n.lock_ref or n.host_pin for n in c.index.nodes())
             assert await serve(c, P + [4]) == 64
+
+
+async def test_slots_an_open_request_owns_are_only_its_own_to_commit_or_free() -> None:
+    P = list(range(500, 532))
+    async with TierCache(config()) as c:
+        async with c.request([*P, 1]) as req:
+            slots = await req.alloc(33)
+            write_kv(c, [*P, 1], 0, slots)
+            await refused(c, lambda: c.free_device(slots[:32]), req=req)
+            await refused(c, lambda: c.insert(P, slots[:32]), req=req)
+            async with c.request([9] * 33) as other:
+                await refused(c, lambda: other.commit([9] * 33, slots), req=req)
+            assert await req.commit([*P, 1], slots) == 0
+        await c.wait_idle()
+        check_accounting(c)
+        assert not c._request_pages.any()
+        assert await serve(c, [*P, 2]) == 32
