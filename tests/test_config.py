@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiercache import TierCacheConfig
-from tiercache.errors import ConfigError
+from tiercache import TierCache, TierCacheConfig
+from tiercache.errors import CapacityError, ConfigError
 
 
 def test_keywords_and_derived_values() -> None:
@@ -120,3 +120,55 @@ def test_bad_values_raise_config_error_naming_the_field(kwargs: dict[str, object
 def test_to_dict_round_trips() -> None:
     c = TierCacheConfig(page_size=32, device_tokens=256, dtype="float16", storage_options={"a": 1})
     assert TierCacheConfig.from_dict(c.to_dict()) == c
+
+
+FLOAT_FIELDS = [
+    "host_ratio",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "prefetch_timeout_max",
+    "storage_timeout_s",
+    "storage_reconnect_backoff_s",
+    "storage_reconnect_backoff_max_s",
+    "alloc_timeout_s",
+]
+
+
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_floats_are_refused_from_every_source(
+    name: str, value: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match=name):
+        TierCacheConfig(**{name: float(value)})
+    with pytest.raises(ConfigError, match=name):
+        TierCacheConfig.from_dict({name: float(value)})
+    with pytest.raises(ConfigError, match=name):
+        TierCacheConfig.from_env({f"TIERCACHE_{name.upper()}": value})
+    path = tmp_path / "c.toml"
+    path.write_text(f"[tiercache]\n{name} = {value}\n")
+    with pytest.raises(ConfigError, match=name):
+        TierCacheConfig.from_toml(path)
+
+
+@pytest.mark.parametrize("options", [[("a", 1)], "a=1", 5, None])
+def test_storage_options_must_be_a_mapping(options: object, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="storage_options"):
+        TierCacheConfig(storage_options=options)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="storage_options"):
+        TierCacheConfig.from_dict({"storage_options": options})
+    if isinstance(options, str | int):
+        path = tmp_path / "c.toml"
+        path.write_text(f"[tiercache]\nstorage_options = {options!r}\n".replace("'", '"'))
+        with pytest.raises(ConfigError, match="storage_options"):
+            TierCacheConfig.from_toml(path)
+
+
+async def test_a_pool_that_cannot_be_allocated_is_a_capacity_error() -> None:
+    # 2**60 bytes of host pool: no machine has it; torch refuses with a RuntimeError.
+    cache = TierCache(
+        TierCacheConfig(device_tokens=16, page_size=16, host_tokens=(1 << 50) // 16 * 16)
+    )
+    with pytest.raises(CapacityError):
+        await cache.open()
+    await cache.aclose()

@@ -18,6 +18,17 @@ or uses the verbs `match_prefix`, `load_back`, `prefetch`, `alloc_device`,
 `insert`, `lock` / `unlock` directly. Every method runs on the loop that
 opened the cache; the bookkeeping is synchronous, so an ``await`` never
 interrupts it halfway.
+
+Three rules hold at every verb:
+
+- Arguments are checked before anything changes (`tiercache._checks`): a
+  refused call leaves the index, the allocators and the request as they were.
+- The index never claims KV that did not land: the cache knows which device
+  pages the index holds, and a failed load back hands its nodes back to the
+  host tier and frees their slots once the copy has settled.
+- Device room that others hold is waited for, not failed on: one loop
+  (`TierCache._take_room`) serves allocations first come, first served, up
+  to ``config.alloc_timeout_s``.
 """
 
 from __future__ import annotations
@@ -25,19 +36,22 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
+import numpy as np
 import torch
 
+from tiercache._checks import check_choice, check_count, check_slot_tensor, token_list
 from tiercache._resource import AsyncResource
-from tiercache.config import TierCacheConfig
+from tiercache.config import PREFETCH_POLICIES, TierCacheConfig
 from tiercache.controller import CopyAck, LoadHandle, TierController
 from tiercache.errors import CapacityError, ClosedError, InvalidInputError, StateError
 from tiercache.index.radix import MatchResult, Node, RadixIndex
-from tiercache.memory.allocator import PageAllocator
+from tiercache.memory.allocator import PageAllocator, check_slot_indices
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
 from tiercache.storage.base import StorageBackend
 from tiercache.storage_tier import BackupOperation, PrefetchOperation
@@ -45,6 +59,22 @@ from tiercache.storage_tier import BackupOperation, PrefetchOperation
 __all__ = ["CacheMatch", "CacheState", "CacheStats", "Request", "TierCache"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+#: How often a task waiting for device room checks again when nothing woke it.
+_ROOM_POLL_S = 0.05
+
+
+@dataclass(slots=True)
+class _PendingLoad:
+    """A load back in flight: its handle, the slots it fills, slots to free when it settles."""
+
+    handle: LoadHandle
+    device_indices: torch.Tensor
+    anchor: Node
+    target: Node
+    orphans: list[torch.Tensor] = field(default_factory=list)
 
 
 class CacheState(enum.Enum):
@@ -160,10 +190,22 @@ class TierCache(AsyncResource):
         self.index = RadixIndex(self.layout.page_size)
         self._stats = CacheStats()
         self._controller: TierController | None = None
-        # Loads in flight and the device slots they fill: a request whose
-        # prefix shares those slots waits for them too (the index already
-        # shows the nodes as device-resident while the bytes are landing).
-        self._pending_loads: dict[LoadHandle, torch.Tensor] = {}
+        # Loads in flight: their handle, the device slots they fill, and
+        # slots of nodes a failed load took away that this load still writes
+        # (freed when it settles). A request whose prefix shares those slots
+        # waits for them too (the index already shows the nodes as
+        # device-resident while the bytes are landing).
+        self._pending_loads: dict[CopyAck, _PendingLoad] = {}
+        # Device pages some index node holds: `insert` refuses slots the
+        # index already owns, and a failed load frees what nobody owns.
+        self._index_pages = np.zeros(0, dtype=np.bool_)
+        # Device pages an open request got from `Request.alloc` and still
+        # owns: only that request may commit or free them.
+        self._request_pages = np.zeros(0, dtype=np.bool_)
+        # Tasks waiting for device room, first come first served; the event
+        # is set (and replaced) whenever room may have appeared.
+        self._room_queue: deque[object] = deque()
+        self._room_event = asyncio.Event()
         self._backups: set[BackupOperation] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._error: BaseException | None = None
@@ -209,7 +251,10 @@ class TierCache(AsyncResource):
             host = HostKVPool(lay, cfg.resolved_host_tokens(), host_layout=cfg.host_layout)
             return dev, host
 
-        dev, host = await asyncio.to_thread(build)
+        try:
+            dev, host = await asyncio.to_thread(build)
+        except (RuntimeError, MemoryError) as e:  # torch's out-of-memory is a RuntimeError
+            raise CapacityError(f"cannot allocate the KV pools: {e}") from e
         ctl = TierController(
             dev,
             host,
@@ -229,6 +274,8 @@ class TierCache(AsyncResource):
             await ctl.aclose()
             raise
         self._controller = ctl
+        self._index_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
+        self._request_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
         self.state = CacheState.OPEN
         return self
 
@@ -266,6 +313,8 @@ class TierCache(AsyncResource):
 
     def _check(self) -> TierController:
         ctl = self.controller
+        if self._pending_loads:
+            self._settle_loads()
         if self._error is not None:
             err, self._error = self._error, None
             raise StateError(f"a background task of the cache failed: {err!r}") from err
@@ -290,9 +339,14 @@ class TierCache(AsyncResource):
 
         Counts towards stats and LRU. Under ``write_through_selective`` a
         device node reaching the hit threshold is written to host now.
+
+        Raises:
+            InvalidInputError: ``tokens`` is not a list, tuple or 1-D integer
+                tensor of ids in ``[0, 2**32)``, or ``extra_key`` is not a str.
         """
         ctl = self._check()
         toks = self._tokens(tokens)
+        self._check_extra_key(extra_key)
         m = self.index.match_prefix(toks, extra_key)
         ps = self.layout.page_size
         rest = (len(toks) - m.matched_length) // ps * ps
@@ -304,63 +358,185 @@ class TierCache(AsyncResource):
 
     @staticmethod
     def _tokens(tokens: Sequence[int] | torch.Tensor) -> list[int]:
-        if isinstance(tokens, torch.Tensor):
-            if tokens.dim() != 1 or tokens.dtype.is_floating_point:
-                raise InvalidInputError("tokens must be a 1-D integer tensor or a sequence of ints")
-            return list(tokens.tolist())
-        if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
-            raise InvalidInputError(
-                f"tokens must be a sequence of ints, got {type(tokens).__name__}"
-            )
-        return list(tokens)
+        return token_list(tokens)
+
+    @staticmethod
+    def _check_extra_key(extra_key: object) -> None:
+        if extra_key is not None and not isinstance(extra_key, str):
+            raise InvalidInputError(f"extra_key must be a str or None, got {extra_key!r}")
 
     def lock(self, node: Node) -> None:
-        """Keep ``node`` and its ancestors from eviction (a request is using them)."""
+        """Keep ``node`` and its ancestors from eviction (a request is using them).
+
+        Raises:
+            InvalidInputError: not a `Node`. StateError: not in the index.
+        """
+        self._check()
         self.index.lock(node)
 
     def unlock(self, node: Node) -> None:
+        """Release a `lock`.
+
+        Raises:
+            InvalidInputError: not a `Node`. StateError: not locked, or not in the index.
+        """
+        self._check()
         self.index.unlock(node)
+        self._notify_room()
 
     # -- device allocation and eviction ----------------------------------------
 
     async def alloc_device(self, num_tokens: int) -> torch.Tensor:
         """Device slots for ``num_tokens`` (a multiple of the page size), evicting LRU nodes if needed.
 
+        When the pool is short only because other requests or copies hold
+        slots, waits for them (see `_take_room`): first come, first served,
+        up to ``config.alloc_timeout_s``. Cancelling the caller while it waits
+        takes nothing.
+
+        Returns:
+            CPU ``int64`` slots, page-aligned: the caller owns them until it
+            passes them to `insert` or `free_device`.
+
         Raises:
-            CapacityError: not enough can be evicted (everything is locked).
-            InvalidInputError: a bad size.
+            CapacityError: more than the pool holds, nothing will free room
+                (no other request, copy or load is in flight), or the timeout
+                passed.
+            InvalidInputError: not a non-negative int multiple of the page size.
         """
+        return await self._alloc_device(num_tokens, own=-1)
+
+    async def _alloc_device(self, num_tokens: int, own: int) -> torch.Tensor:
         ctl = self._check()
-        got = ctl.device_allocator.alloc(num_tokens)
-        if got is None:
-            await self._make_device_room(num_tokens)
-            got = ctl.device_allocator.alloc(num_tokens)
-        if got is None:
-            raise CapacityError(
-                f"cannot find {num_tokens} device slots: {ctl.device_allocator.available} free, the rest locked"
-            )
-        return got
+        n = check_count(num_tokens, "num_tokens", multiple_of=self.layout.page_size)
+        alloc = ctl.device_allocator
+        if n > alloc.num_slots:
+            raise CapacityError(f"{n} device slots asked: the pool holds {alloc.num_slots}")
+        return await self._take_room(lambda: n, lambda: alloc.alloc(n), own)
 
-    async def _make_device_room(self, num_tokens: int) -> None:
-        """Evict until ``num_tokens`` device slots are free, waiting for host copies in flight.
+    async def _take_room(
+        self,
+        need: Callable[[], int],
+        take: Callable[[], _T | None],
+        own: int,
+    ) -> _T:
+        """Run ``take`` (synchronous: it allocates, or returns ``None``) once ``need()`` device slots can be had.
 
-        Nodes whose host copy is still running cannot leave the device yet;
-        when eviction alone falls short, wait for those copies and try again.
+        The one loop behind every device allocation that may wait. Waiters
+        are served in arrival order: only the head of the queue evicts and
+        takes; the others wait behind it. Each round evicts LRU nodes for the
+        shortfall (writing them back first where the policy needs it), then
+        waits until something releases room (a request ends, slots are
+        freed, a copy or load settles) or ``_ROOM_POLL_S`` passes.
+
+        Args:
+            need: the slots still needed (re-read each round: a load-back
+                may shrink while it waits).
+            take: the allocation itself.
+            own: device slots the caller itself holds outside the index (a
+                request's earlier `Request.alloc`): waiting for those is futile.
+
+        Raises:
+            CapacityError: the timeout passed, or nothing else holds or moves
+                device slots, so waiting cannot help.
+        """
+        if not self._room_queue:
+            got = take()
+            if got is not None:
+                return got
+        ctl = self.controller
+        loop = asyncio.get_running_loop()
+        timeout = self.config.alloc_timeout_s
+        deadline = loop.time() + timeout
+        ticket = object()
+        self._room_queue.append(ticket)
+        try:
+            while True:
+                if self._room_queue[0] is ticket:
+                    got = take()
+                    if got is not None:
+                        return got
+                    short = need() - ctl.device_allocator.available
+                    if short > 0 and await self.evict_device(short) > 0:
+                        continue  # freed some: try again at once
+                    got = take()
+                    if got is not None:
+                        return got
+                    if self._nothing_will_free(own):
+                        raise CapacityError(
+                            f"cannot find {need()} device slots: "
+                            f"{ctl.device_allocator.available} free, the rest locked"
+                        )
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise CapacityError(
+                        f"no room for {need()} device slots within alloc_timeout_s={timeout}: "
+                        f"{ctl.device_allocator.available} free, the rest held by others"
+                    )
+                event = self._room_event
+                try:
+                    await asyncio.wait_for(event.wait(), min(left, _ROOM_POLL_S))
+                except TimeoutError:
+                    pass
+        finally:
+            self._room_queue.remove(ticket)
+            self._notify_room()  # the next in line may go now
+
+    def _nothing_will_free(self, own: int) -> bool:
+        """Whether no other request, copy, load or task can release device slots.
+
+        ``own`` is what the caller holds outside the index when it is an open
+        request, ``-1`` for a direct `alloc_device` call (whose own holdings
+        cannot be told from others': they count as others').
         """
         ctl = self.controller
-        for _ in range(4):
-            short = num_tokens - ctl.device_allocator.available
-            if short <= 0:
-                return
-            if await self.evict_device(short) >= short:
-                return
-            if not ctl._inflight and not ctl._write_queue:
-                return
-            await ctl.wait_idle()
+        outside = ctl.device_allocator.used - int(self._index_pages.sum()) * self.layout.page_size
+        others_open = self._open_requests - (1 if own >= 0 else 0)
+        return (
+            others_open <= 0
+            and outside <= max(own, 0)
+            and not ctl._inflight
+            and not ctl._write_queue
+            and not self._pending_loads
+            and not self._tasks
+            and len(self._room_queue) <= 1
+        )
+
+    def _notify_room(self) -> None:
+        """Wake the tasks waiting for device room (they check again)."""
+        if self._room_queue:
+            event, self._room_event = self._room_event, asyncio.Event()
+            event.set()
 
     def free_device(self, indices: torch.Tensor) -> None:
-        """Return device slots from `alloc_device` that were not inserted."""
-        self._check().evict_device(indices)
+        """Return device slots from `alloc_device` that were not inserted.
+
+        Raises:
+            InvalidInputError: not slots of this pool, or slots the index holds.
+            DoubleFreeError: slots that are not allocated.
+            StateError: a copy of those slots is in flight.
+        """
+        ctl = self._check()
+        dev = check_slot_indices(
+            indices, self.layout.page_size, ctl.device_pool.num_slots, "indices"
+        )
+        if bool(self._index_pages[self._pages(dev)].any()):
+            raise InvalidInputError("free_device: some of these slots hold cached KV of the index")
+        if bool(self._request_pages[self._pages(dev)].any()):
+            raise InvalidInputError(
+                "free_device: some of these slots belong to an open request (it frees them)"
+            )
+        ctl.evict_device(dev)
+        self._notify_room()
+
+    def _pages(self, dev: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Page ids of page-aligned CPU slot indices."""
+        arr: np.ndarray[Any, np.dtype[np.int64]] = dev.numpy()[:: self.layout.page_size]
+        return arr // self.layout.page_size
+
+    def _set_index_pages(self, dev: torch.Tensor, held: bool) -> None:
+        if dev.numel():
+            self._index_pages[self._pages(dev)] = held
 
     async def evict_device(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots (fewer when the rest is locked), LRU leaves first.
@@ -369,10 +545,14 @@ class TierCache(AsyncResource):
         (``write_back``, or a host write that found no room) is written to host
         first; if that fails it is dropped when nothing below it needs it, and
         kept otherwise. Returns slots freed.
+
+        Raises:
+            InvalidInputError: ``num_tokens`` is not a non-negative int.
         """
         ctl = self._check()
+        num_tokens = check_count(num_tokens)
         freed = 0
-        if num_tokens <= 0:
+        if num_tokens == 0:
             return 0
         for node in self.index.evict_device_candidates(num_tokens):
             if node.device_indices is None or node.lock_ref or node.parent is None:
@@ -384,6 +564,7 @@ class TierCache(AsyncResource):
                     continue  # its host-only children need its pages: keep it
                 dev = node.device_indices
                 self.index.remove(node)
+                self._set_index_pages(dev, False)
                 ctl.evict_device(dev)
                 freed += dev.numel()
                 self._stats.device_evictions += 1
@@ -399,6 +580,7 @@ class TierCache(AsyncResource):
             if any(c.device_indices is not None for c in node.children.values()):
                 continue
             dev = self.index.mark_device_evicted(node)
+            self._set_index_pages(dev, False)
             ctl.evict_device(dev)
             freed += dev.numel()
             self._stats.device_evictions += 1
@@ -427,9 +609,12 @@ class TierCache(AsyncResource):
         """Drop LRU host-only nodes (not pinned or locked) to free ``num_tokens`` host slots.
 
         Their pages stay in storage if they were backed up. Returns slots freed.
+
+        Raises:
+            InvalidInputError: ``num_tokens`` is not a non-negative int.
         """
         self._check()
-        return self._evict_host_now(num_tokens)
+        return self._evict_host_now(check_count(num_tokens))
 
     def _evict_host_now(self, num_tokens: int) -> int:
         ctl = self.controller
@@ -460,38 +645,116 @@ class TierCache(AsyncResource):
 
         Whole pages only: a trailing partial page is not inserted and its
         slots stay the caller's. Slots of the part already cached are freed
-        here. Under ``write_through`` the new node is written to host (and,
-        once there, to storage when attached).
+        here (unless they are the index's own: a request committing its
+        prefix passes those back). Under ``write_through`` the new node is
+        written to host (and, once there, to storage when attached). When
+        the cached part is still being loaded back, waits for that load
+        first (nothing may be inserted on top of KV that has not landed).
+
+        Every argument is checked before anything changes: a refused call
+        leaves the index and the allocators as they were, and can be retried.
 
         Returns:
             How many leading tokens were already cached.
 
         Raises:
-            InvalidInputError: lengths that differ, bad slots.
+            InvalidInputError: bad tokens, ``device_indices`` not a 1-D int64
+                tensor with one slot per token, slots that are not
+                page-aligned, not allocated, listed twice, or (for the new
+                pages) already held by the index or by an open request.
+            StateError: the load back of the cached part failed (the prefix
+                is not on the device; request it again).
         """
+        return await self._insert(tokens, device_indices, extra_key, owner=None)
+
+    async def _insert(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        device_indices: torch.Tensor,
+        extra_key: str | None,
+        owner: torch.Tensor | None,
+    ) -> int:
+        """`insert`; ``owner``: slots of the committing request, which it may pass (and gives up)."""
         ctl = self._check()
         toks = self._tokens(tokens)
-        if not isinstance(device_indices, torch.Tensor) or device_indices.numel() != len(toks):
-            raise InvalidInputError("device_indices must be a tensor with one slot per token")
+        self._check_extra_key(extra_key)
         ps = self.layout.page_size
+        slots = check_slot_tensor(device_indices, "device_indices", ctl.device_pool.num_slots)
+        if slots.numel() != len(toks):
+            raise InvalidInputError(
+                f"device_indices has {slots.numel()} slots for {len(toks)} tokens: one per token"
+            )
         n = len(toks) // ps * ps
-        dev = device_indices.cpu()[:n]
+        dev = check_slot_indices(slots[:n], ps, ctl.device_pool.num_slots, "device_indices")
+        # The cached part may still be landing: wait, then decide on the
+        # index as it is after the wait (no await from here on).
+        await self._wait_loads_under(dev)
+        ctl = self._check()
         cached = self.index.match_prefix(toks[:n], extra_key, touch=False).device_indices
+        k = int(cached.numel())
+        pages = self._pages(dev)
+        if n and pages.size != np.unique(pages).size:
+            raise InvalidInputError("device_indices lists a page twice")
+        mine = dev[:k].view(-1, ps)
+        same = (mine == cached.view(-1, ps)).all(dim=1) if k else torch.zeros(0, dtype=torch.bool)
+        fresh = torch.cat([dev[:k].view(-1, ps)[~same].reshape(-1), dev[k:]])
+        if fresh.numel():
+            if not ctl.device_allocator.is_allocated(fresh, checked=True):
+                raise InvalidInputError(
+                    "device_indices include slots that are not allocated (use alloc_device)"
+                )
+            if bool(self._index_pages[self._pages(fresh)].any()):
+                raise InvalidInputError(
+                    "device_indices include slots that hold other cached KV of the index"
+                )
+            held = self._request_pages[self._pages(fresh)]
+            if owner is not None and owner.numel():
+                held &= ~np.isin(self._pages(fresh), self._pages(owner))
+            if bool(held.any()):
+                raise InvalidInputError(
+                    "device_indices include slots an open request owns (commit them through it)"
+                )
+            if ctl.ack_busy("device", fresh):
+                raise InvalidInputError("device_indices include slots with a copy in flight")
         result = self.index.insert(toks[:n], dev, extra_key)
         if result.prefix_len:
-            # Free the duplicates, but never the index's own slots (a request
-            # committing its prefix passes those back).
+            # Free the duplicates, but never the index's own slots.
             dup = dev[: result.prefix_len].view(-1, ps)
-            mine = cached[: result.prefix_len].view(-1, ps)
-            differ = (dup != mine).any(dim=1)
+            differ = ~same[: result.prefix_len // ps]
             if bool(differ.any()):
-                ctl.device_allocator.free(dup[differ].reshape(-1))
+                ctl.device_allocator.free(dup[differ].reshape(-1), checked=True)
+                self._notify_room()
+        self._set_index_pages(dev[result.prefix_len :], True)
+        if owner is not None and owner.numel():
+            self._request_pages[self._pages(owner)] = False
         self._stats.tokens_inserted += n - result.prefix_len
         node = result.node
         if node is not None and self.config.write_policy == "write_through":
             self._write_node(ctl, node)
         # Reattached host-only nodes already have a host copy: nothing to write.
         return result.prefix_len
+
+    async def _wait_loads_under(self, dev: torch.Tensor) -> None:
+        """Wait for the loads in flight into any of ``dev``; raise if one failed.
+
+        Raises:
+            StateError: such a load failed.
+        """
+        while True:
+            pending = [
+                p.handle
+                for p in self._pending_loads.values()
+                if dev.numel() and bool(torch.isin(p.device_indices, dev).any())
+            ]
+            if not pending:
+                return
+            for h in pending:
+                try:
+                    await h
+                except Exception as e:
+                    raise StateError(
+                        f"the load back of this prefix failed ({e!r}): request it again"
+                    ) from e
 
     def _write_node(self, ctl: TierController, node: Node) -> CopyAck | None:
         """Start a device->host write of ``node``; its storage backup follows the ack."""
@@ -567,6 +830,13 @@ class TierCache(AsyncResource):
     async def load_back(self, match: CacheMatch) -> tuple[torch.Tensor, LoadHandle | None]:
         """Load the host part of ``match`` into device slots, layer by layer.
 
+        Waits for device room as `alloc_device` does. When a concurrent call
+        loaded the same nodes meanwhile, nothing is loaded twice: the prefix
+        comes back with no handle of its own (`request` waits on the other
+        load). If the copy fails, the nodes go back to host-only and their
+        device slots are freed once the copy has settled: the index never
+        claims KV that did not land, and the next request loads it again.
+
         Returns:
             ``(device_indices, handle)``: the slots of the whole matched prefix
             (device part + loaded part) and the `LoadHandle` whose layer
@@ -574,50 +844,148 @@ class TierCache(AsyncResource):
             host only). The loaded nodes stay locked until the load completes.
 
         Raises:
-            CapacityError: no device room for the host part.
+            InvalidInputError: ``match`` is not a `CacheMatch`.
+            CapacityError: no device room for the host part (see `alloc_device`).
         """
+        return await self._load_back(match, own=-1)
+
+    async def _load_back(
+        self, match: CacheMatch, own: int
+    ) -> tuple[torch.Tensor, LoadHandle | None]:
         ctl = self._check()
+        if not isinstance(match, CacheMatch):
+            raise InvalidInputError(f"match must be a CacheMatch, got {type(match).__name__}")
         if match.host_tokens == 0:
             return match.device_indices, None
         target = match.index.last_host_node
-        path = self.index.load_path(target)
-        if not path:  # the tree changed since the match
-            m = self.index.match_prefix(
-                self.index.prefix_tokens(target), match.extra_key, touch=False
-            )
-            return m.device_indices, None
-        self.index.lock(target)
         try:
-            total = sum(n.num_tokens for n in path)
-            await self._make_device_room(total)
+            self.index.lock(target)
+        except StateError as e:
+            raise StateError("the index changed since this match: match again") from e
+
+        def need() -> int:
+            return sum(n.num_tokens for n in self.index.load_path(target))
+
+        def take() -> tuple[CopyAck, LoadHandle] | tuple[None, None] | None:
             path = self.index.load_path(target)
+            if not path:  # loaded by a concurrent call meanwhile
+                return None, None
             host = torch.cat([n.host_indices for n in path if n.host_indices is not None])
             ack = ctl.submit_load(host, node_id=target.id, track=False)
             if ack is None:
-                raise CapacityError(
-                    f"no device room to load {host.numel()} tokens back: the rest is locked"
-                )
+                return None
             handle = ctl.start_loading()
             assert handle is not None
+            anchor = path[0].parent
+            assert anchor is not None
             self.index.attach_device(target, ack.device_indices)
+            self._set_index_pages(ack.device_indices, True)
+            self._pending_loads[ack] = _PendingLoad(handle, ack.device_indices, anchor, target)
+            # On the handle's future, not the ack's: its callbacks run in
+            # order, so the rollback is done before any awaiter of the
+            # handle (or of a later request) sees the load end.
+            handle._future.add_done_callback(lambda _f: self._settle_loads())
+            return ack, handle
+
+        try:
+            ack, handle = await self._take_room(need, take, own)
         except BaseException:
             self.index.unlock(target)
+            self._notify_room()
             raise
-        self._stats.loads_back += 1
-
-        def unlock(_f: object) -> None:
-            try:
-                self.index.unlock(target)
-            except StateError:
-                pass
-
-        handle._future.add_done_callback(unlock)
-        self._pending_loads[handle] = ack.device_indices
-        handle._future.add_done_callback(lambda _f: self._pending_loads.pop(handle, None))
         full = self.index.match_prefix(
             self.index.prefix_tokens(target), match.extra_key, touch=False
         )
+        if ack is None:
+            self.index.unlock(target)
+            return full.device_indices, None
+        self._stats.loads_back += 1
         return full.device_indices, handle
+
+    def _settle_loads(self) -> None:
+        """Settle every load back whose copy has ended: roll back a failed one, free orphans, unlock.
+
+        Runs from the handle's completion callback and at the start of every
+        public call (`_check`): a copy that ran inline on the loop ends
+        before any callback runs, and its caller may see the failure first.
+        """
+        if self._controller is None or self.state is not CacheState.OPEN:
+            return
+        for ack, pending in list(self._pending_loads.items()):
+            fut = pending.handle._future
+            if not fut.done():
+                continue
+            del self._pending_loads[ack]
+            if fut.cancelled() or fut.exception() is not None:
+                self._rollback_load(pending)
+            self._free_when_settled(ack, pending.orphans)
+            try:
+                self.index.unlock(pending.target)
+            except StateError:
+                pass
+            self._notify_room()
+
+    def _free_when_settled(self, ack: CopyAck, slots: list[torch.Tensor]) -> None:
+        """Free ``slots`` once ``ack``'s copy is settled in the controller's books.
+
+        A copy run inline on the loop has ended before its ack is resolved
+        (its pages still count as busy until then): the free waits for that.
+        """
+        if not slots:
+            return
+
+        def free(_a: object = None) -> None:
+            ctl = self._controller
+            if ctl is None or self.state is not CacheState.OPEN:
+                return
+            for dev in slots:
+                ctl.device_allocator.free(dev, checked=True)
+            self._notify_room()
+
+        if ack.done():
+            free()
+        else:
+            ack.add_done_callback(free)
+
+    def _rollback_load(self, failed: _PendingLoad) -> None:
+        """Take from the index every node that claims slots of the failed load, and what hangs under it.
+
+        Slots that a load still in flight writes are freed when it settles;
+        the rest when the failed copy is settled (see `_free_when_settled`).
+        """
+        ps = self.layout.page_size
+        bad = set(self._pages(failed.device_indices).tolist())
+        anchor = failed.anchor
+        try:
+            self.index.path(anchor)
+        except StateError:
+            return
+        roots: list[Node] = []
+        stack = list(anchor.children.values())
+        while stack:
+            n = stack.pop()
+            if n.device_indices is None:
+                continue
+            if int(n.device_indices[0]) // ps in bad:
+                roots.append(n)
+            else:
+                stack.extend(n.children.values())
+        for n in roots:
+            for dev in self.index.detach_failed_load(n):
+                self._set_index_pages(dev, False)
+                owner = next(
+                    (
+                        p
+                        for p in self._pending_loads.values()
+                        if bool(torch.isin(dev[:1], p.device_indices).any())
+                    ),
+                    None,
+                )
+                (owner or failed).orphans.append(dev)
+        logger.warning(
+            "a load back of %d tokens failed: its nodes are host-only again",
+            failed.device_indices.numel(),
+        )
 
     async def prefetch(
         self,
@@ -638,12 +1006,20 @@ class TierCache(AsyncResource):
         Returns:
             Tokens fetched and inserted (0 without storage, under the
             threshold, or on any storage failure).
+
+        Raises:
+            InvalidInputError: bad tokens, a ``match`` that is not a
+                `CacheMatch`, or an unknown ``policy``.
         """
         ctl = self._check()
         toks = self._tokens(tokens)
+        policy = check_choice(
+            self.config.prefetch_policy if policy is None else policy, PREFETCH_POLICIES, "policy"
+        )
+        if match is not None and not isinstance(match, CacheMatch):
+            raise InvalidInputError(f"match must be a CacheMatch, got {type(match).__name__}")
         match = match or self.match_prefix(toks)
         n = match.storage_candidate_tokens
-        policy = policy or self.config.prefetch_policy
         if not ctl.storage_attached or n <= 0 or n < self.config.prefetch_threshold:
             return 0
         start = match.index.matched_length
@@ -727,30 +1103,48 @@ class TierCache(AsyncResource):
         request_id: object = None,
         prefetch: bool = True,
     ) -> AsyncIterator[Request]:
-        """Serve one request: match, prefetch from storage, load back, lock; unlock on exit."""
+        """Serve one request: match, prefetch from storage, load back, lock; unlock on exit.
+
+        At least one token is always left to compute, as SGLang does: the
+        prefix is matched on ``tokens[:-1]``, so ``cached_tokens`` is at most
+        ``len(tokens) - 1`` (rounded down to whole pages) and the forward pass
+        always has a last position to take logits from, even for an exact
+        repeat of a page-aligned prompt.
+
+        Raises:
+            InvalidInputError: ``tokens`` is not a list, tuple or 1-D integer
+                tensor of ids in ``[0, 2**32)``, or ``extra_key`` is not a str.
+            CapacityError: no device room to load the host part back (see
+                `alloc_device`).
+        """
         self._check()
         toks = self._tokens(tokens)
-        m = self.match_prefix(toks, extra_key)
+        self._check_extra_key(extra_key)
+        if not isinstance(prefetch, bool):
+            raise InvalidInputError(f"prefetch must be a bool, got {prefetch!r}")
+        key = toks[:-1]
+        m = self.match_prefix(key, extra_key)
         first_device, first_matched = m.device_tokens, m.index.matched_length
         if prefetch and m.storage_candidate_tokens:
             # Hold what matched while the prefetch awaits: nothing under it may
             # be evicted meanwhile, so the prefetched pages continue it.
             held = m.index.last_node
-            self.lock(held)
+            self.index.lock(held)
             try:
-                await self.prefetch(toks, m, request_id=request_id)
+                await self.prefetch(key, m, request_id=request_id)
             finally:
                 self.unlock(held)
-            m = self.match_prefix(toks, extra_key)
-        prefix, handle = await self.load_back(m)
+            m = self.match_prefix(key, extra_key)
+        prefix, handle = await self._load_back(m, own=-1)
         node = self.index.match_prefix(
-            toks[: prefix.numel()], extra_key, touch=False
+            key[: prefix.numel()], extra_key, touch=False
         ).last_device_node
-        self.lock(node)
+        self.index.lock(node)
         loads = [handle] if handle is not None else []
-        for h, dev in list(self._pending_loads.items()):
-            if h is not handle and prefix.numel() and bool(torch.isin(dev, prefix).any()):
-                loads.append(h)
+        if prefix.numel():
+            for p in self._pending_loads.values():
+                if p.handle not in loads and bool(torch.isin(p.device_indices, prefix).any()):
+                    loads.append(p.handle)
         req = Request(self, toks, extra_key, prefix, loads, node)
         self._open_requests += 1
         self._stats.requests += 1
@@ -765,6 +1159,7 @@ class TierCache(AsyncResource):
                 await req._release()
             finally:
                 self._open_requests -= 1
+                self._notify_room()
 
     # -- flush, stats, waiting ----------------------------------------------------
 
@@ -803,6 +1198,8 @@ class TierCache(AsyncResource):
             raise StateError("flush while requests hold locks")
         await ctl.reset()
         self.index.reset()
+        self._index_pages[:] = False
+        self._request_pages[:] = False
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters, including the controller's and the storage tier's."""
@@ -841,8 +1238,10 @@ class Request:
     """One request's view of the cache, from `TierCache.request`.
 
     Attributes:
-        tokens: the prompt.
-        cached_tokens: leading tokens whose KV is on the device (or loading).
+        tokens: the prompt, as a list of ints.
+        cached_tokens: leading tokens whose KV is on the device (or loading):
+            whole pages, at most ``len(tokens) - 1`` (one token is always left
+            to compute).
         prefix_indices: their device slots.
         load: the `LoadHandle` of the part this request loaded back from host, or ``None``.
         loads: every load the prefix waits on (its own, and loads started by
@@ -868,6 +1267,7 @@ class Request:
         self._node = node
         self._owned: list[torch.Tensor] = []
         self._committed = False
+        self._committing = False
         self._released = False
 
     def layer_ready(self, layer: int) -> None:
@@ -876,69 +1276,127 @@ class Request:
             h.wait_layer(layer)
 
     async def wait_loaded(self) -> None:
-        """Wait until the whole prefix is on the device."""
+        """Wait until the whole prefix is on the device.
+
+        Raises:
+            Exception: the copy's error when a load of the prefix failed. The
+                index no longer claims those pages on the device by then; the
+                request cannot `commit`, and the next request loads them again.
+        """
         for h in self.loads:
-            await h
+            try:
+                await h
+            except BaseException:
+                self.cache._settle_loads()
+                raise
 
     async def alloc(self, num_tokens: int) -> torch.Tensor:
         """Device slots for new tokens, rounded up to whole pages; the first ``num_tokens`` are returned.
 
-        Slots the request does not commit are freed when it ends.
+        Waits for room held by other requests or copies (see
+        `TierCache.alloc_device`). Slots the request does not commit are
+        freed when it ends.
+
+        Raises:
+            InvalidInputError: ``num_tokens`` is not a non-negative int.
+            CapacityError: more than the pool can ever give, or no room
+                within ``config.alloc_timeout_s``.
+            StateError: the request has ended.
         """
+        if self._released:
+            raise StateError("the request has ended")
+        n = check_count(num_tokens)
         ps = self.cache.layout.page_size
-        pages = -(-num_tokens // ps) * ps
-        slots = await self.cache.alloc_device(pages)
+        pages = -(-n // ps) * ps
+        own = sum(int(t.numel()) for t in self._owned)
+        slots = await self.cache._alloc_device(pages, own=own)
         self._owned.append(slots)
-        return slots[:num_tokens]
+        self.cache._request_pages[self.cache._pages(slots)] = True
+        return slots[:n]
 
     async def commit(
         self, tokens: Sequence[int] | torch.Tensor, device_indices: torch.Tensor
     ) -> int:
         """Insert the KV of ``tokens`` (the prompt, plus generated tokens if any) held in ``device_indices``.
 
-        ``device_indices`` is the prefix's slots followed by slots from
-        `alloc`. Whole pages are inserted; the slots of a trailing partial
-        page go back when the request ends. Returns how many tokens were
-        already cached.
+        ``tokens`` must start with the request's own tokens; ``device_indices``
+        is one slot per token: the prefix's slots (`prefix_indices`) followed
+        by slots from `alloc`. Whole pages are inserted; the slots of a
+        trailing partial page go back when the request ends. Waits for the
+        prefix's load first.
+
+        Every argument is checked before anything changes: a refused commit
+        leaves the request uncommitted, and a correct one may follow.
+
+        Returns:
+            How many tokens were already cached.
+
+        Raises:
+            InvalidInputError: tokens that do not extend the request's,
+                ``device_indices`` not a 1-D int64 tensor of one slot per
+                token, not starting with `prefix_indices`, or new slots that
+                did not come from this request's `alloc`.
+            StateError: committed already, the request has ended, or the
+                prefix's load back failed (its KV is not on the device).
         """
-        if self._committed:
+        if self._released:
+            raise StateError("the request has ended")
+        if self._committed or self._committing:
             raise StateError("a request commits once")
-        toks = TierCache._tokens(tokens)
-        if len(toks) < self.cached_tokens or not torch.equal(
-            device_indices[: self.cached_tokens].cpu(), self.prefix_indices.cpu()
-        ):
+        cache = self.cache
+        ctl = cache._check()
+        toks = token_list(tokens)
+        if toks[: len(self.tokens)] != self.tokens:
+            raise InvalidInputError(
+                "commit tokens must be the request's tokens, optionally followed by generated ones"
+            )
+        slots = check_slot_tensor(device_indices, "device_indices", ctl.device_pool.num_slots)
+        if slots.numel() != len(toks):
+            raise InvalidInputError(
+                f"device_indices has {slots.numel()} slots for {len(toks)} tokens: one per token"
+            )
+        if not torch.equal(slots[: self.cached_tokens], self.prefix_indices.cpu()):
             raise InvalidInputError("device_indices must start with the request's prefix_indices")
-        ps = self.cache.layout.page_size
+        ps = cache.layout.page_size
         n = len(toks) // ps * ps
         own = torch.cat(self._owned) if self._owned else torch.empty(0, dtype=torch.int64)
-        new = device_indices[self.cached_tokens : n].cpu()
+        new = slots[self.cached_tokens : n]
         if new.numel() and not bool(torch.isin(new, own).all()):
-            raise InvalidInputError("new tokens' slots must come from Request.alloc")
+            raise InvalidInputError("new tokens' slots must come from this request's alloc")
+        self._committing = True
+        try:
+            try:
+                await self.wait_loaded()
+            except Exception as e:
+                raise StateError(
+                    f"the load back of this request's prefix failed ({e!r}): nothing committed"
+                ) from e
+            # The prefix is already in the index: insert() frees nothing of it
+            # (the same slots), and takes the new pages' slots, which stop
+            # being the request's (handed over, or freed as duplicates).
+            dup = await cache._insert(toks[:n], slots[:n], self.extra_key, owner=new)
+        finally:
+            self._committing = False
         self._committed = True
-        await self.wait_loaded()
-        # The prefix is already in the index: insert() frees nothing of it
-        # (the same slots), and takes the new pages' slots.
-        dup = await self.cache.insert(toks[:n], device_indices[:n].cpu(), self.extra_key)
         self._owned = [own[~torch.isin(own, new)]] if own.numel() else []
         return dup
 
     async def _release(self) -> None:
+        """Unlock the prefix and free the slots not committed (no await: cancel-safe)."""
         if self._released:
             return
         self._released = True
         cache = self.cache
         if cache.state is not CacheState.OPEN:
             return
-        for h in self.loads:
-            try:
-                await h
-            except Exception:  # the load failed: the slots are still accounted below
-                pass
         try:
-            cache.unlock(self._node)
+            cache.index.unlock(self._node)
         except StateError:
             pass
+        ctl = cache.controller
         for slots in self._owned:
             if slots.numel():
-                cache.free_device(slots)
+                cache._request_pages[cache._pages(slots)] = False
+                ctl.evict_device(slots)
         self._owned = []
+        cache._notify_room()

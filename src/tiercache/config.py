@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -61,18 +62,25 @@ class TierCacheConfig:
         ``write_through_selective`` (once a node's hit count reaches
         ``write_through_threshold``), ``write_back`` (when evicted from device).
         storage_url: an L3 backend to attach on open (``None``: none), with
-        ``storage_options``.
-        prefetch_policy: ``best_effort`` (take what arrived when the request is
-        scheduled), ``wait_complete`` (wait for the whole prefetch),
-        ``timeout`` (wait up to ``prefetch_timeout_base +
-        prefetch_timeout_per_ki_token * tokens / 1024`` seconds, capped at
-        ``prefetch_timeout_max``).
+        ``storage_options`` (a mapping).
+        prefetch_policy: ``timeout`` (the default: wait up to
+        ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens /
+        1024`` seconds, capped at ``prefetch_timeout_max``, so a request after
+        a restart gets what storage holds unless storage is slower than
+        that), ``wait_complete`` (wait for the whole prefetch),
+        ``best_effort`` (take only what arrived by the time the request
+        proceeds: one loop iteration, so in practice pages of a very fast
+        backend only).
         prefetch_threshold: fewer storage-hit tokens than this are not fetched.
         prefetch_capacity_tokens: host tokens prefetches may hold at once
         (``None``: no cap).
         storage_timeout_s: deadline of every backend call.
         storage_io_concurrency, storage_io_batch_pages, storage_query_batch_pages,
         storage_backup_batch_pages: storage IO shape.
+        alloc_timeout_s: how long `TierCache.alloc_device`, `Request.alloc` and
+        a load back wait for device room that other requests or copies hold
+        (first come, first served) before raising `CapacityError`; ``0``
+        fails at once. A call that can never fit fails at once.
         storage_fault_policy: after ``storage_fault_threshold`` consecutive
         failed backend calls, ``auto_reconnect`` (default) stops calling the
         backend — prefetches miss at once, backups are skipped — and probes it
@@ -100,7 +108,7 @@ class TierCacheConfig:
     write_through_threshold: int = 2
     storage_url: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
-    prefetch_policy: str = "best_effort"
+    prefetch_policy: str = "timeout"
     prefetch_threshold: int = 256
     prefetch_timeout_base: float = 1.0
     prefetch_timeout_per_ki_token: float = 0.25
@@ -115,9 +123,14 @@ class TierCacheConfig:
     storage_fault_threshold: int = 5
     storage_reconnect_backoff_s: float = 0.5
     storage_reconnect_backoff_max_s: float = 30.0
+    alloc_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _parse_dtype(self.dtype))
+        if not isinstance(self.storage_options, Mapping):
+            raise ConfigError(
+                f"storage_options must be a mapping, got {type(self.storage_options).__name__}"
+            )
         object.__setattr__(self, "storage_options", dict(self.storage_options))
         for name in (
             "num_layers",
@@ -147,10 +160,16 @@ class TierCacheConfig:
             "storage_timeout_s",
             "storage_reconnect_backoff_s",
             "storage_reconnect_backoff_max_s",
+            "alloc_timeout_s",
         ):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
-                raise ConfigError(f"{name} must be a non-negative number, got {v!r}")
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int | float)
+                or not math.isfinite(v)
+                or v < 0
+            ):
+                raise ConfigError(f"{name} must be a finite non-negative number, got {v!r}")
         if self.storage_timeout_s <= 0 or self.storage_reconnect_backoff_s <= 0:
             raise ConfigError("storage_timeout_s and storage_reconnect_backoff_s must be positive")
         if not isinstance(self.mla, bool):

@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from tiercache.cache import TierCache
 from tiercache.config import TierCacheConfig
-from tiercache.errors import CapacityError, ConfigError, InvalidInputError
+from tiercache.errors import ConfigError, InvalidInputError
 from tiercache.memory.pools import DeviceKVPool
 from tiercache.models.tiny import TinyCausalLM, TinyConfig
 
@@ -335,7 +335,6 @@ async def _serve(
     t0 = time.perf_counter()
     pool = cache.device_pool
     n_kv = len(prompt) + n_answer - 1  # the last answer token is never fed back
-    empty = torch.empty(0, dtype=torch.int64)
     if not use_prefix:
         ps = cache.layout.page_size
         slots = await cache.alloc_device(-(-n_kv // ps) * ps)
@@ -349,23 +348,12 @@ async def _serve(
             )
         finally:
             cache.free_device(slots)
-    async with contextlib.AsyncExitStack() as stack:
-        try:
-            req = await stack.enter_async_context(cache.request(prompt))
-        except CapacityError:
-            # Device nodes whose host copy is still in flight cannot be evicted
-            # yet: let the copies land, then evict them.
-            await cache.wait_idle()
-            req = await stack.enter_async_context(cache.request(prompt))
-        cached = req.cached_tokens
-        # At least one prompt token is computed: its logits give the first answer token.
-        k = min(cached, len(prompt) - 1)
-        try:
-            new = await req.alloc(n_kv - k)
-        except CapacityError:
-            await cache.wait_idle()
-            new = await req.alloc(n_kv - k)
-        prefix = req.prefix_indices[:k] if k else empty
+    # The cache leaves at least one prompt token to compute (its logits give
+    # the first answer token) and waits for room other requests hold.
+    async with cache.request(prompt) as req:
+        k = req.cached_tokens
+        new = await req.alloc(n_kv - k)
+        prefix = req.prefix_indices
         n_new = len(prompt) - k
         logits = await asyncio.to_thread(
             model.prefill, pool, prompt[k:], new[:n_new], prefix, req.layer_ready
@@ -378,7 +366,7 @@ async def _serve(
             _decode, model, pool, first, context, new[n_new:], n_answer
         )
         kv_tokens = prompt + answer[:-1]
-        await req.commit(kv_tokens, torch.cat([req.prefix_indices, new[cached - k :]]))
+        await req.commit(kv_tokens, torch.cat([prefix, new]))
     return answer
 
 

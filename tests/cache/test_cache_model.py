@@ -12,6 +12,13 @@ node names only committed prefixes and its device and host slots hold the
 expected KV; the allocators account for exactly the index's slots plus the
 slots held requests own outside it; no lock is left without a held request,
 no pin at all; held prefixes are still on the device, in the same slots.
+
+Misuse is part of the model: refused calls (bad ids with storage attached,
+foreign or unallocated slots, bad counts and names) must change nothing;
+a commit of tokens that are not the request's is refused and the right one
+still goes through; concurrent requests for one host-only prefix (some
+cancelled) all get its exact KV; and a load back whose copy fails at some
+layer leaves no node claiming KV that did not land.
 """
 
 from __future__ import annotations
@@ -31,14 +38,17 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tiercache import TierCache, TierCacheConfig
 from tiercache.cache import Request
-from tiercache.errors import CapacityError, StateError
+from tiercache.errors import CapacityError, InvalidInputError, StateError
 from tiercache.storage.memory import MemoryBackend
+from tiercache.transfer.engine import CopyEngine
 
 T = TypeVar("T")
 
 PS = 4
 BLOCKS = ((11, 12), (13, 14), (15, 16))  # half pages: prompts diverge inside pages
 MAX_HELD = 2
+
+BAD_IDS = st.sampled_from([[-1] * PS, [2**32] * PS, [2**40] * PS, [1.5] * PS, "abcd"])
 
 SEQS = st.tuples(
     st.lists(st.integers(0, len(BLOCKS) - 1), min_size=1, max_size=8),
@@ -93,6 +103,7 @@ class CacheModel(RuleBasedStateMachine):
             write_policy=self.WRITE_POLICY,
             write_through_threshold=2,
             model="model-test",
+            alloc_timeout_s=0.0,  # the steps run one at a time: a held request never lets go
         )
         self.cache = TierCache(cfg)
         self.run(self.cache.open())
@@ -176,7 +187,8 @@ class CacheModel(RuleBasedStateMachine):
 
     async def _serve(self, tokens: tuple[int, ...], hold: bool, commit: bool) -> Held | None:
         """Open a request, check its prefix, compute and (maybe) commit; keep it open if ``hold``."""
-        before = self.longest(tokens, self.stored)
+        key = tokens[:-1]  # at least one token is always left to compute
+        before = self.longest(key, self.stored)
         storage_before = self.cache.stats().tokens_storage_hit
         room_short = self.held or self.stuck()
         ctx = self.cache.request(list(tokens))
@@ -189,8 +201,8 @@ class CacheModel(RuleBasedStateMachine):
         try:
             await req.wait_loaded()
             cached = req.cached_tokens
-            assert cached % PS == 0 and cached <= len(tokens)
-            assert cached <= self.longest(tokens, self.committed), (cached, tokens)
+            assert cached % PS == 0 and cached < len(tokens)
+            assert cached <= self.longest(key, self.committed), (cached, tokens)
             if not self.held:
                 # Nothing pins the device or host: every page backed up to
                 # storage must come back (prefetch waits for all of it).
@@ -303,6 +315,216 @@ class CacheModel(RuleBasedStateMachine):
         assert m.device_tokens + m.host_tokens <= self.longest(tokens, self.committed)
         self.check_device(tokens, m.device_indices)
 
+    # -- misuse, concurrency and failed copies ---------------------------------------
+
+    def snapshot(self) -> Any:
+        """Every page the index holds and where, both allocators: a refused call changes none."""
+        cache = self.cache
+        pages = []
+        for n in cache.index.nodes():
+            full = cache.index.prefix_tokens(n)
+            start = len(full) - n.num_tokens
+            for i in range(0, n.num_tokens, PS):
+                dev = None if n.device_indices is None else int(n.device_indices[i])
+                host = None if n.host_indices is None else int(n.host_indices[i])
+                pages.append((full[: start + i + PS], dev, host, n.lock_ref > 0))
+        ctl = cache.controller
+        return (
+            sorted(pages, key=repr),
+            ctl.device_allocator._allocated.tolist(),
+            ctl.host_allocator._allocated.tolist(),
+        )
+
+    async def _refused(self, call: Callable[[], Coroutine[Any, Any, Any] | Any]) -> None:
+        await self.settle()
+        before = self.snapshot()
+        with pytest.raises(InvalidInputError):
+            result = call()
+            if asyncio.iscoroutine(result):
+                await result
+        await self.settle()
+        assert self.snapshot() == before
+
+    @rule(
+        bad=BAD_IDS,
+        tokens=SEQS,
+        which=st.sampled_from(
+            ["request", "match", "prefetch", "insert_ids", "insert_foreign", "counts", "policy"]
+        ),
+    )
+    def refused_call(self, bad: Any, tokens: tuple[int, ...], which: str) -> None:
+        cache = self.cache
+
+        async def go() -> None:
+            if which == "request":
+
+                async def req() -> None:
+                    async with cache.request(bad):
+                        pass
+
+                await self._refused(req)
+            elif which == "match":
+                await self._refused(lambda: cache.match_prefix(bad))
+            elif which == "prefetch":
+                await self._refused(lambda: cache.prefetch(bad))
+            elif which == "policy":
+                await self._refused(lambda: cache.prefetch(list(tokens), policy="eventually"))
+            elif which == "counts":
+                await self._refused(lambda: cache.evict_device(-PS))
+                await self._refused(lambda: cache.evict_host("x"))
+                await self._refused(lambda: cache.alloc_device(PS + 1))
+            else:
+                n = len(tokens) // PS * PS or PS
+                toks = list(tokens[:n]) if len(tokens) >= PS else [11] * PS
+                if which == "insert_ids":
+                    try:
+                        slots = await cache.alloc_device(PS)
+                    except CapacityError:
+                        return
+                    await self._refused(lambda: cache.insert(bad, slots))
+                    cache.free_device(slots)
+                else:  # slots the caller does not own: free ones, or the index's own
+                    cached = cache.index.match_prefix(toks, touch=False).device_indices
+                    theirs = [
+                        n.device_indices
+                        for n in cache.index.nodes()
+                        if n.device_indices is not None
+                        and not bool(torch.isin(n.device_indices, cached).any())
+                    ]
+                    if sum(int(t.numel()) for t in theirs) >= n:
+                        foreign = torch.cat(theirs)[:n]
+                        await self._refused(lambda: cache.insert(toks, foreign))
+                        event("insert with the index's own slots refused")
+                    alloc = cache.controller.device_allocator
+                    free = [p for p in range(alloc.num_pages) if not bool(alloc._allocated[p])]
+                    if len(free) * PS >= n:
+                        pages = torch.tensor(free[: n // PS], dtype=torch.int64)
+                        slots = (pages[:, None] * PS + torch.arange(PS)).reshape(-1)
+                        await self._refused(lambda: cache.insert(toks, slots))
+                        event("insert with unallocated slots refused")
+
+        self.run(go())
+
+    @precondition(lambda self: len(self.held) < MAX_HELD)
+    @rule(tokens=SEQS, other=SEQS)
+    def mismatched_commit(self, tokens: tuple[int, ...], other: tuple[int, ...]) -> None:
+        """A commit of another prompt's tokens is refused; the request's own then goes through."""
+
+        async def go() -> None:
+            ctx = self.cache.request(list(tokens))
+            try:
+                req = await ctx.__aenter__()
+            except CapacityError:
+                return
+            try:
+                await req.wait_loaded()
+                try:
+                    slots = await req.alloc(len(tokens) - req.cached_tokens)
+                except CapacityError:
+                    return
+                self.write_new(tokens, req.cached_tokens, slots)
+                full = torch.cat([req.prefix_indices, slots])
+                if other[: len(tokens)] != tokens:
+                    await self._refused(lambda: req.commit(list(other), full))
+                    event("a commit of other tokens was refused")
+                await self._refused(lambda: req.commit(list(tokens), full.tolist()))
+                await req.commit(list(tokens), full)
+                self.commit_model(tokens)
+            finally:
+                await ctx.__aexit__(None, None, None)
+
+        self.run(go())
+
+    @rule(
+        tokens=SEQS, n=st.integers(2, 3), cancel=st.sets(st.integers(0, 2)), steps=st.integers(0, 6)
+    )
+    def concurrent_same_prefix(
+        self, tokens: tuple[int, ...], n: int, cancel: set[int], steps: int
+    ) -> None:
+        """``n`` concurrent requests for one prompt, its prefix first made host-only; some cancelled."""
+        cache = self.cache
+
+        async def one(i: int) -> int:
+            async with cache.request(list(tokens)) as req:
+                await req.wait_loaded()
+                self.check_device(tokens, req.prefix_indices)
+                slots = await req.alloc(len(tokens) - req.cached_tokens)
+                self.write_new(tokens, req.cached_tokens, slots)
+                await asyncio.sleep(0)
+                await req.commit(list(tokens), torch.cat([req.prefix_indices, slots]))
+                return req.cached_tokens
+
+        async def go() -> None:
+            await self.settle()
+            if not self.held:
+                await cache.evict_device(8 * PS)  # whatever is on host leaves the device
+            # Concurrent requests wait for each other's room, briefly.
+            cache.config = cache.config.replace(alloc_timeout_s=0.2)
+            try:
+                tasks = [asyncio.create_task(one(i)) for i in range(n)]
+                for _ in range(steps):
+                    await asyncio.sleep(0)
+                for i in cancel:
+                    if i < n:
+                        tasks[i].cancel()
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                cache.config = cache.config.replace(alloc_timeout_s=0.0)
+            self.commit_model(tokens)  # a cancelled task may have committed already
+            done = [r for r in results if isinstance(r, int)]
+            for r in results:
+                if isinstance(r, CapacityError):
+                    event("a concurrent request found no room")
+                elif not isinstance(r, int | asyncio.CancelledError):
+                    raise r
+            if done:
+                event("concurrent same-prefix requests completed")
+                if not self.held and len(set(done)) == 1 and done[0]:
+                    event("concurrent requests shared a loaded prefix")
+
+        self.run(go())
+
+    @rule(tokens=SEQS, layer=st.integers(0, 1))
+    def failed_load(self, tokens: tuple[int, ...], layer: int) -> None:
+        """The next load back fails at ``layer``: no wrong KV anywhere, and a retry serves it."""
+        cache = self.cache
+        engine = cache.controller.engine
+
+        def load_layer(i: int, plan: Any) -> None:
+            if i == layer:
+                raise RuntimeError("injected copy failure")
+            CopyEngine.load_layer(engine, i, plan)
+
+        async def go() -> None:
+            await self.settle()
+            if not self.held:
+                await cache.evict_device(8 * PS)
+            engine.load_layer = load_layer  # type: ignore[method-assign]
+            try:
+                async with cache.request(list(tokens)) as req:
+                    try:
+                        await req.wait_loaded()
+                    except RuntimeError:
+                        event("a load back failed")
+                        try:
+                            slots = await req.alloc(len(tokens) - req.cached_tokens)
+                        except CapacityError:
+                            return
+                        with pytest.raises(StateError):
+                            await req.commit(list(tokens), torch.cat([req.prefix_indices, slots]))
+                        return
+                    self.check_device(tokens, req.prefix_indices)
+            except CapacityError:
+                assert self.held or self.stuck()
+            finally:
+                del engine.load_layer
+
+        self.run(go())
+        self.run(self.settle())
+        self.consistent()
+        # The retry loads it again and serves the right KV.
+        self.run(self._serve(tokens, hold=False, commit=False))
+
     # -- invariants -------------------------------------------------------------
 
     @invariant()
@@ -319,6 +541,10 @@ class CacheModel(RuleBasedStateMachine):
             outside,
         )
         assert ctl.host_allocator.used == index.total_host_tokens()
+        assert int(cache._index_pages.sum()) * PS == index.total_device_tokens()
+        assert not cache._pending_loads
+        if not self.held:
+            assert not cache._request_pages.any()
         for node in index.nodes():
             full = index.prefix_tokens(node)
             start = len(full) - node.num_tokens

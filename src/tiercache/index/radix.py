@@ -860,6 +860,49 @@ class RadixIndex:
         self._device_tokens -= len(node.key)
         return dev
 
+    def detach_failed_load(self, node: Node) -> list[torch.Tensor]:
+        """Take the device slots from ``node`` and every device-resident node below it.
+
+        The rollback of a failed host->device load: those slots never got
+        their bytes (or sit under a prefix that did not), so no node may
+        claim them. Unlike `mark_device_evicted`, locked nodes lose their
+        slots too (a request holding one finds its load failed). Nodes with a
+        host copy stay in the tree as host-only nodes; a device-only
+        descendant (whose KV was computed over the failed prefix) is removed
+        when it is an unlocked, unpinned leaf, else kept with its slots.
+        A node whose host write is in flight keeps its device slots (the
+        write reads them). O(subtree).
+
+        Returns:
+            The device slot tensors taken away, for the caller to free once
+            no copy uses them.
+
+        Raises:
+            StateError: ``node`` is not in the index.
+        """
+        self._check_attached(node)
+        freed: list[torch.Tensor] = []
+        order: list[Node] = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.device_indices is None:
+                continue  # nothing below a host-only node is on the device
+            order.append(n)
+            stack.extend(n.children.values())
+        for n in reversed(order):  # children before parents
+            dev = n.device_indices
+            if dev is None or n.write_in_flight:
+                continue
+            if n.host_indices is not None:
+                n.device_indices = None
+                self._device_tokens -= len(n.key)
+                freed.append(dev)
+            elif not n.children and not n.lock_ref and not n.host_pin:
+                self.remove(n)
+                freed.append(dev)
+        return freed
+
     def remove(self, node: Node) -> None:
         """Drop a leaf from the tree (its slots were freed, or are about to be).
 
