@@ -34,11 +34,11 @@ import torch
 
 from tiercache._resource import AsyncResource
 from tiercache.config import TierCacheConfig
-from tiercache.controller import CopyAck, LoadHandle, TierController
+from tiercache.controller import CopyAck, LoadHandle, Ready, TierController
 from tiercache.errors import CapacityError, ClosedError, InvalidInputError, StateError
 from tiercache.index.radix import MatchResult, Node, RadixIndex
 from tiercache.memory.allocator import PageAllocator
-from tiercache.memory.pools import DeviceKVPool, HostKVPool
+from tiercache.memory.pools import DeviceKVPool, HostKVPool, resolve_device
 from tiercache.storage.base import StorageBackend
 from tiercache.storage_tier import BackupOperation, PrefetchOperation
 
@@ -204,8 +204,12 @@ class TierCache(AsyncResource):
         cfg = self.config
         lay = self.layout
 
+        # "cuda" means this thread's current device (a TP rank's own GPU), not
+        # that of the worker thread the pools are built on.
+        device = resolve_device(cfg.device)
+
         def build() -> tuple[DeviceKVPool, HostKVPool]:
-            dev = self._device_pool or DeviceKVPool(lay, cfg.device_tokens, cfg.device)
+            dev = self._device_pool or DeviceKVPool(lay, cfg.device_tokens, device)
             host = HostKVPool(lay, cfg.resolved_host_tokens(), host_layout=cfg.host_layout)
             return dev, host
 
@@ -455,8 +459,13 @@ class TierCache(AsyncResource):
         tokens: Sequence[int] | torch.Tensor,
         device_indices: torch.Tensor,
         extra_key: str | None = None,
+        *,
+        ready: Ready = None,
     ) -> int:
         """Record freshly computed KV of ``tokens`` held in ``device_indices``.
+
+        ``ready`` (CUDA): the producer of that KV, as `TierController.submit_write`
+        takes it (default: the caller's current stream, recorded at this call).
 
         Whole pages only: a trailing partial page is not inserted and its
         slots stay the caller's. Slots of the part already cached are freed
@@ -470,6 +479,7 @@ class TierCache(AsyncResource):
             InvalidInputError: lengths that differ, bad slots.
         """
         ctl = self._check()
+        ready_ev = ctl.ready_event(ready, "insert")
         toks = self._tokens(tokens)
         if not isinstance(device_indices, torch.Tensor) or device_indices.numel() != len(toks):
             raise InvalidInputError("device_indices must be a tensor with one slot per token")
@@ -489,11 +499,13 @@ class TierCache(AsyncResource):
         self._stats.tokens_inserted += n - result.prefix_len
         node = result.node
         if node is not None and self.config.write_policy == "write_through":
-            self._write_node(ctl, node)
+            self._write_node(ctl, node, ready=ready_ev)
         # Reattached host-only nodes already have a host copy: nothing to write.
         return result.prefix_len
 
-    def _write_node(self, ctl: TierController, node: Node) -> CopyAck | None:
+    def _write_node(
+        self, ctl: TierController, node: Node, *, ready: Ready = None
+    ) -> CopyAck | None:
         """Start a device->host write of ``node``; its storage backup follows the ack."""
         if node.on_host or node.device_indices is None or node.write_in_flight:
             return None
@@ -502,7 +514,7 @@ class TierCache(AsyncResource):
             # Make room on host by dropping LRU host-only nodes (those backed
             # up to storage can come back from there).
             self._evict_host_now(short)
-        ack = ctl.submit_write(node.device_indices, node_id=node.id, track=False)
+        ack = ctl.submit_write(node.device_indices, node_id=node.id, track=False, ready=ready)
         if ack is None:
             return None  # host full: the node stays device-only
         wid = self.index.begin_write(node, ack.host_indices)
@@ -890,7 +902,11 @@ class Request:
         return slots[:num_tokens]
 
     async def commit(
-        self, tokens: Sequence[int] | torch.Tensor, device_indices: torch.Tensor
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        device_indices: torch.Tensor,
+        *,
+        ready: Ready = None,
     ) -> int:
         """Insert the KV of ``tokens`` (the prompt, plus generated tokens if any) held in ``device_indices``.
 
@@ -898,7 +914,12 @@ class Request:
         `alloc`. Whole pages are inserted; the slots of a trailing partial
         page go back when the request ends. Returns how many tokens were
         already cached.
+
+        ``ready`` (CUDA): the producer of the new KV (the forward pass's
+        stream or an event after it); by default the caller's current stream,
+        recorded when ``commit`` is called, before it awaits anything.
         """
+        ready_ev = self.cache._check().ready_event(ready, "commit")
         if self._committed:
             raise StateError("a request commits once")
         toks = TierCache._tokens(tokens)
@@ -916,7 +937,9 @@ class Request:
         await self.wait_loaded()
         # The prefix is already in the index: insert() frees nothing of it
         # (the same slots), and takes the new pages' slots.
-        dup = await self.cache.insert(toks[:n], device_indices[:n].cpu(), self.extra_key)
+        dup = await self.cache.insert(
+            toks[:n], device_indices[:n].cpu(), self.extra_key, ready=ready_ev
+        )
         self._owned = [own[~torch.isin(own, new)]] if own.numel() else []
         return dup
 
