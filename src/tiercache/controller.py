@@ -632,8 +632,9 @@ class TierController(AsyncResource):
         assert wjob is not None
         ops.sort(key=lambda o: o.priority)
         host = torch.cat([o.host_indices for o in ops])
-        dev = self._pinned_indices(torch.cat([o.device_indices for o in ops]))
+        dev = torch.cat([o.device_indices for o in ops])
         readies = _unique_events(o.ready for o in ops)
+        pinned = self._pinned_indices
         stream = self._write_stream
         engine = self.engine
 
@@ -641,8 +642,9 @@ class TierController(AsyncResource):
             for ev in readies:
                 stream.wait_for(ev)
             # Planned here, inside the copy stream's context: the device index
-            # tensor is copied on the copy stream, after the waits above.
-            plan = engine.plan(host, dev, checked=True)
+            # tensor goes up from pinned memory on the copy stream, after the
+            # waits above, never on the caller's stream.
+            plan = engine.plan(host, pinned(dev), checked=True)
             engine.backup_all_layers(plan)
             # The plan's index tensors stay alive until the copy has settled.
             return Completion([(stream.record_event(), None)], keep=plan)
@@ -758,7 +760,8 @@ class TierController(AsyncResource):
             self._start_writes_now()  # the load reads what those writes put on the host
         ops.sort(key=lambda o: o.priority)
         host = torch.cat([o.host_indices for o in ops])
-        dev = self._pinned_indices(torch.cat([o.device_indices for o in ops]))
+        dev = torch.cat([o.device_indices for o in ops])
+        pinned = self._pinned_indices
         readies = _unique_events([*(o.ready for o in ops), *self._device_fences])
         self._device_fences = []  # the load stream waits for them once: later loads follow
         stream = self._load_stream
@@ -778,7 +781,7 @@ class TierController(AsyncResource):
                         raise StateError("the backup into these host slots failed")
                 for r in readies:
                     stream.wait_for(r)
-                plan = engine.plan(host, dev, checked=True)
+                plan = engine.plan(host, pinned(dev), checked=True)
                 steps: list[tuple[torch.cuda.Event | None, Callable[[], None] | None]] = []
                 for i in range(num_layers):
                     engine.load_layer(i, plan)
