@@ -256,10 +256,15 @@ class HostKVPool:
         num_slots: token slots (a multiple of the page size); or give
         size_bytes: the memory to use instead, rounded down to whole pages.
         host_layout: ``"layer_first"`` or ``"page_first"``.
-        pin_memory: pin the buffer (default: when CUDA is available).
+        pin_memory: page-lock the buffer (default: when CUDA is available).
+            A pinned pool is allocated pageable and registered in place with
+            ``cudaHostRegister``: it locks `pinned_bytes`, its size rounded up
+            to a 4 KiB page (torch's caching host allocator would round it up
+            to a power of two). Unlocked when the pool is garbage collected.
 
     Raises:
-        InvalidInputError: bad sizes or layout name.
+        InvalidInputError: bad sizes or layout name; ``pin_memory=True``
+            without CUDA.
         CapacityError: the pool does not fit in the host memory available.
     """
 
