@@ -800,7 +800,9 @@ class TierController(AsyncResource):
         nbytes = host.numel() * self.layout.token_bytes
         self.stats.load_batches += 1
         self.stats.bytes_host_to_device += nbytes
-        _, done = self._launch(stream, job, ops, layers, nbytes)
+        # Never inline while a write it waits for runs: that wait would block the loop.
+        inline_ok = all(w.done() for w in writes)
+        _, done = self._launch(stream, job, ops, layers, nbytes, inline_ok=inline_ok)
         return LoadHandle(producer_id, host, dev, layers, done, [o.ack for o in ops])
 
     # -- completion -----------------------------------------------------------
@@ -813,6 +815,8 @@ class TierController(AsyncResource):
         layers: LayerDoneSet | None,
         nbytes: int,
         wjob: _WriteJob | None = None,
+        *,
+        inline_ok: bool = True,
     ) -> tuple[concurrent.futures.Future[None], asyncio.Future[None]]:
         """Run ``job`` on ``stream``; settle ``ops`` on the loop once it has settled.
 
@@ -823,7 +827,7 @@ class TierController(AsyncResource):
         assert self._loop is not None
         cf: concurrent.futures.Future[None] = concurrent.futures.Future()
         fut: asyncio.Future[None]
-        if nbytes <= self.inline_copy_bytes and not stream.is_cuda and stream.idle:
+        if inline_ok and nbytes <= self.inline_copy_bytes and not stream.is_cuda and stream.idle:
             # A copy this small takes less time than waking the worker
             # thread and the loop again: run it here.
             cf.set_running_or_notify_cancel()

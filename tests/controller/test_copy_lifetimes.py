@@ -324,3 +324,43 @@ async def test_ready_is_refused_on_a_cpu_pool() -> None:
         with pytest.raises(InvalidInputError, match="ready"):
             c.evict_device(src, ready=object())  # type: ignore[arg-type]
         assert c.device_allocator.is_allocated(src)
+
+
+async def test_a_small_load_waiting_for_a_backup_does_not_run_on_the_loop() -> None:
+    """A load small enough to run inline, of host slots a slow backup still fills."""
+    token_bytes = 2 * LAYERS * 2 * 8 * 4
+    async with make(inline_copy_bytes=32 * token_bytes) as c:
+        src = c.device_allocator.alloc(64)  # the backup goes to the worker
+        assert src is not None
+        expect = kv(c, src[:16])
+        original = c.engine.backup_all_layers
+
+        def slow(plan: TransferPlan) -> None:
+            time.sleep(0.3)
+            original(plan)
+
+        c.engine.backup_all_layers = slow  # type: ignore[method-assign]
+        ack = c.submit_write(src)
+        assert ack is not None
+        c.start_writing()
+        gaps: list[float] = []
+
+        async def heartbeat() -> None:
+            last = time.perf_counter()
+            while not ack.done():
+                await asyncio.sleep(0.01)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        beat = asyncio.create_task(heartbeat())
+        await asyncio.sleep(0.02)
+        dst = c.load(ack.host_indices[:16])  # 16 tokens: under the inline size
+        assert dst is not None
+        handle = c.start_loading()
+        assert handle is not None
+        await handle
+        await beat
+        assert max(gaps) < 0.2, f"the loop stalled {max(gaps):.3f} s"
+        for got, want in zip(kv(c, dst), expect, strict=True):
+            assert torch.equal(got, want)
