@@ -5,6 +5,12 @@ piece of control state (allocators, queues, acks); the bytes move on copy
 streams (`CopyStream`: CUDA streams, or ordered worker threads on a CPU) and
 their completion comes back to the loop as futures. Nothing here blocks the
 loop: a copy of gigabytes leaves it free to serve other requests.
+
+On CUDA, every copy first waits for the event its caller named as ``ready``
+at submission (by default one recorded in the submitting call on the
+caller's current stream of the pool's device), and a copy job's slots are
+released only once everything it queued has finished, whether it succeeded
+or failed. See "CUDA streams and lifetimes" in the README.
 """
 
 from __future__ import annotations
