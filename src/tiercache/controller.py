@@ -1141,6 +1141,20 @@ class TierController(AsyncResource):
             return None
         return self.storage.prefetch(request_id, host_indices, token_ids, last_hash)
 
+    def abstain_prefetch(self) -> None:
+        """With a TP group: take part in a prefetch's hit-count agreement without prefetching.
+
+        Every rank must make one agreement per prefetch. A rank that decides on
+        its own not to call `prefetch` for a request the other ranks prefetch
+        (its host memory is full, say) calls this instead: it contributes 0
+        hits, so no rank loads that prefix. Without a TP group, or with no
+        backend attached, it does nothing. `prefetch` itself already abstains
+        when the backend is down or rate limited.
+        """
+        self._check_open()
+        if self.storage is not None:
+            self.storage.abstain()
+
     def prefetch_rate_limited(self) -> bool:
         return self.storage is not None and self.storage.rate_limited()
 

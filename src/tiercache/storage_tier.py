@@ -489,12 +489,12 @@ class StorageTier:
         host, tokens = self._check_tokens(host_indices, token_ids)
         if self.down:
             self.stats.skipped_while_down += 1
-            self._abstain()
+            self.abstain()
             return None
         cap = self.config.prefetch_capacity_tokens
         if cap is not None and self._held_tokens + host.numel() > cap and self._held_tokens > 0:
             self.stats.prefetch_rate_limited += 1
-            self._abstain()
+            self.abstain()
             return None
         op = PrefetchOperation(request_id, host, tokens, prior_hash, self._loop.create_future())
         self._held_tokens += op.num_tokens
@@ -504,7 +504,7 @@ class StorageTier:
         self._query_queue.put_nowait(op)
         return op
 
-    def _abstain(self) -> None:
+    def abstain(self) -> None:
         """With a TP group: this rank skips a prefetch, yet joins its agreement (with 0 hits).
 
         Every rank makes one collective per `prefetch` call, whether or not it

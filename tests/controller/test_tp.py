@@ -81,6 +81,13 @@ async def test_a_rate_limited_rank_still_joins_the_agreement(tmp_path: Path) -> 
     assert normal["agreed"] == [[0, 0]] * 3, normal
 
 
+async def test_a_rank_that_abstains_still_joins_the_agreement(tmp_path: Path) -> None:
+    results = await _run_ranks(tmp_path, [(6, "normal"), (6, "abstain")])
+    normal, abstained = results
+    assert abstained["started"] == [False, False, False], abstained
+    assert normal["agreed"] == [[0, 0]] * 3, normal
+
+
 def test_an_nccl_group_with_a_cpu_pool_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 

@@ -4,7 +4,7 @@ prefetches 8, and prints the hit count the ranks agreed on.
 ``mode`` (optional fifth argument) changes what this rank's storage does:
 ``normal``; ``down``: its backend fails, so the tier marks it down and skips
 the next prefetches; ``limited``: it holds one prefetch, so the next one is
-rate limited."""
+rate limited; ``abstain``: it skips the prefetches and calls `abstain_prefetch`."""
 
 from __future__ import annotations
 
@@ -76,7 +76,11 @@ async def main(rank: int, world: int, init: str, stored_pages: int, mode: str) -
         for _ in range(3):
             h = ctl.host_allocator.alloc(8 * PS)
             assert h is not None
-            pf = ctl.prefetch("r", h, tokens)
+            if mode == "abstain":  # this rank decides on its own not to prefetch
+                ctl.abstain_prefetch()
+                pf = None
+            else:
+                pf = ctl.prefetch("r", h, tokens)
             started.append(pf is not None)
             if pf is None:  # skipped on this rank: it keeps its slots
                 ctl.evict_host(h)
