@@ -206,10 +206,10 @@ class TierCache(AsyncResource):
 
         # "cuda" means this thread's current device (a TP rank's own GPU), not
         # that of the worker thread the pools are built on.
-        device = resolve_device(cfg.device)
+        device = resolve_device(cfg.device) if self._device_pool is None else None
 
         def build() -> tuple[DeviceKVPool, HostKVPool]:
-            dev = self._device_pool or DeviceKVPool(lay, cfg.device_tokens, device)
+            dev = self._device_pool or DeviceKVPool(lay, cfg.device_tokens, device or cfg.device)
             host = HostKVPool(lay, cfg.resolved_host_tokens(), host_layout=cfg.host_layout)
             return dev, host
 
