@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 # The CPU build of torch: an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test test-core test-engines bench bench-engines bench-quick stress lint typecheck check clean
+.PHONY: install run test test-core test-engines bench bench-engines bench-quick bench-gpu stress lint typecheck check clean
 
 # Engine integration suites (mk/*.mk) each add their target to ENGINE_TESTS. Each one
 # builds its own virtual environment with the engine installed --no-deps at a pinned
@@ -43,6 +43,14 @@ bench-engines: $(ENGINE_BENCHES)
 
 bench-quick: install
 	$(PY) -m tiercache bench --quick
+
+# On a CUDA machine (install a CUDA build of torch: make install TORCH=torch==2.13.0
+# with the CUDA wheel index): the GPU tests, then the GPU, transfer and controller
+# benchmarks (quick sizes), JSON under benchmarks/results/gpu. Under 5 minutes on one GPU.
+bench-gpu: install
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'bench-gpu needs CUDA')"
+	$(PY) -m pytest -q -m gpu
+	$(PY) -m benchmarks.run --quick --only gpu,transfer,controller --out benchmarks/results/gpu
 
 stress: install
 	TIERCACHE_STRESS_SECONDS=120 $(PY) -m pytest -q -s tests/test_stress.py

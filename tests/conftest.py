@@ -70,5 +70,5 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords and not torch.cuda.is_available():
+        if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
             item.add_marker(skip_gpu)

@@ -48,11 +48,11 @@ import torch
 from tiercache._checks import check_choice, check_count, check_slot_tensor, token_list
 from tiercache._resource import AsyncResource
 from tiercache.config import PREFETCH_POLICIES, TierCacheConfig
-from tiercache.controller import CopyAck, LoadHandle, TierController
+from tiercache.controller import CopyAck, LoadHandle, Ready, TierController
 from tiercache.errors import CapacityError, ClosedError, InvalidInputError, StateError
 from tiercache.index.radix import MatchResult, Node, RadixIndex
 from tiercache.memory.allocator import PageAllocator, check_slot_indices
-from tiercache.memory.pools import DeviceKVPool, HostKVPool
+from tiercache.memory.pools import DeviceKVPool, HostKVPool, resolve_device
 from tiercache.storage.base import StorageBackend
 from tiercache.storage_tier import BackupOperation, PrefetchOperation
 
@@ -246,8 +246,12 @@ class TierCache(AsyncResource):
         cfg = self.config
         lay = self.layout
 
+        # "cuda" means this thread's current device (a TP rank's own GPU), not
+        # that of the worker thread the pools are built on.
+        device = resolve_device(cfg.device) if self._device_pool is None else None
+
         def build() -> tuple[DeviceKVPool, HostKVPool]:
-            dev = self._device_pool or DeviceKVPool(lay, cfg.device_tokens, cfg.device)
+            dev = self._device_pool or DeviceKVPool(lay, cfg.device_tokens, device or cfg.device)
             host = HostKVPool(lay, cfg.resolved_host_tokens(), host_layout=cfg.host_layout)
             return dev, host
 
@@ -640,8 +644,13 @@ class TierCache(AsyncResource):
         tokens: Sequence[int] | torch.Tensor,
         device_indices: torch.Tensor,
         extra_key: str | None = None,
+        *,
+        ready: Ready = None,
     ) -> int:
         """Record freshly computed KV of ``tokens`` held in ``device_indices``.
+
+        ``ready`` (CUDA): the producer of that KV, as `TierController.submit_write`
+        takes it (default: the caller's current stream, recorded at this call).
 
         Whole pages only: a trailing partial page is not inserted and its
         slots stay the caller's. Slots of the part already cached are freed
@@ -665,7 +674,7 @@ class TierCache(AsyncResource):
             StateError: the load back of the cached part failed (the prefix
                 is not on the device; request it again).
         """
-        return await self._insert(tokens, device_indices, extra_key, owner=None)
+        return await self._insert(tokens, device_indices, extra_key, owner=None, ready=ready)
 
     async def _insert(
         self,
@@ -673,9 +682,11 @@ class TierCache(AsyncResource):
         device_indices: torch.Tensor,
         extra_key: str | None,
         owner: torch.Tensor | None,
+        ready: Ready = None,
     ) -> int:
         """`insert`; ``owner``: slots of the committing request, which it may pass (and gives up)."""
         ctl = self._check()
+        ready_ev = ctl.ready_event(ready, "insert")
         toks = self._tokens(tokens)
         self._check_extra_key(extra_key)
         ps = self.layout.page_size
@@ -730,7 +741,7 @@ class TierCache(AsyncResource):
         self._stats.tokens_inserted += n - result.prefix_len
         node = result.node
         if node is not None and self.config.write_policy == "write_through":
-            self._write_node(ctl, node)
+            self._write_node(ctl, node, ready=ready_ev)
         # Reattached host-only nodes already have a host copy: nothing to write.
         return result.prefix_len
 
@@ -756,7 +767,9 @@ class TierCache(AsyncResource):
                         f"the load back of this prefix failed ({e!r}): request it again"
                     ) from e
 
-    def _write_node(self, ctl: TierController, node: Node) -> CopyAck | None:
+    def _write_node(
+        self, ctl: TierController, node: Node, *, ready: Ready = None
+    ) -> CopyAck | None:
         """Start a device->host write of ``node``; its storage backup follows the ack."""
         if node.on_host or node.device_indices is None or node.write_in_flight:
             return None
@@ -765,7 +778,7 @@ class TierCache(AsyncResource):
             # Make room on host by dropping LRU host-only nodes (those backed
             # up to storage can come back from there).
             self._evict_host_now(short)
-        ack = ctl.submit_write(node.device_indices, node_id=node.id, track=False)
+        ack = ctl.submit_write(node.device_indices, node_id=node.id, track=False, ready=ready)
         if ack is None:
             return None  # host full: the node stays device-only
         wid = self.index.begin_write(node, ack.host_indices)
@@ -1315,7 +1328,11 @@ class Request:
         return slots[:n]
 
     async def commit(
-        self, tokens: Sequence[int] | torch.Tensor, device_indices: torch.Tensor
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        device_indices: torch.Tensor,
+        *,
+        ready: Ready = None,
     ) -> int:
         """Insert the KV of ``tokens`` (the prompt, plus generated tokens if any) held in ``device_indices``.
 
@@ -1324,6 +1341,10 @@ class Request:
         by slots from `alloc`. Whole pages are inserted; the slots of a
         trailing partial page go back when the request ends. Waits for the
         prefix's load first.
+
+        ``ready`` (CUDA): the producer of the new KV (the forward pass's
+        stream or an event after it); by default the caller's current stream,
+        recorded when ``commit`` is called, before it awaits anything.
 
         Every argument is checked before anything changes: a refused commit
         leaves the request uncommitted, and a correct one may follow.
@@ -1341,6 +1362,7 @@ class Request:
         """
         if self._released:
             raise StateError("the request has ended")
+        ready_ev = self.cache._check().ready_event(ready, "commit")
         if self._committed or self._committing:
             raise StateError("a request commits once")
         cache = self.cache
@@ -1374,7 +1396,9 @@ class Request:
             # The prefix is already in the index: insert() frees nothing of it
             # (the same slots), and takes the new pages' slots, which stop
             # being the request's (handed over, or freed as duplicates).
-            dup = await cache._insert(toks[:n], slots[:n], self.extra_key, owner=new)
+            dup = await cache._insert(
+                toks[:n], slots[:n], self.extra_key, owner=new, ready=ready_ev
+            )
         finally:
             self._committing = False
         self._committed = True

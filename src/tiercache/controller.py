@@ -5,11 +5,18 @@ piece of control state (allocators, queues, acks); the bytes move on copy
 streams (`CopyStream`: CUDA streams, or ordered worker threads on a CPU) and
 their completion comes back to the loop as futures. Nothing here blocks the
 loop: a copy of gigabytes leaves it free to serve other requests.
+
+On CUDA, every copy first waits for the event its caller named as ``ready``
+at submission (by default one recorded in the submitting call on the
+caller's current stream of the pool's device), and a copy job's slots are
+released only once everything it queued has finished, whether it succeeded
+or failed. See "CUDA streams and lifetimes" in the README.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import itertools
 import logging
@@ -38,13 +45,20 @@ from tiercache.storage_tier import (
     PrefetchOperation,
     StorageTier,
     StorageTierConfig,
+    collective_device,
 )
 from tiercache.transfer.engine import CopyEngine, TransferPlan
 from tiercache.transfer.layer_done import LayerDoneCounter, LayerDoneSet
-from tiercache.transfer.streams import CopyStream
+from tiercache.transfer.streams import Completion, CopyStream, new_event
+
+#: What a caller may name as the producer (writes) or the last reader (loads)
+#: of the slots it hands over: an event recorded after that work, or the
+#: stream it was queued on (an event is recorded on it at submission).
+Ready = torch.cuda.Event | torch.cuda.Stream | None
 
 __all__ = [
     "WRITE_POLICIES",
+    "Ready",
     "ControllerState",
     "ControllerStats",
     "CopyAck",
@@ -159,8 +173,10 @@ class LoadHandle:
     def wait_layer(self, i: int, timeout: float | None = None) -> None:
         self.layers.wait_sync(i, timeout)
 
-    def wait_layer_device(self, i: int) -> None:
-        self.layers.wait_device(i)
+    def wait_layer_device(self, i: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the calling thread's current stream of the
+        pool's device) wait for layer ``i`` on the GPU; see `LayerDoneSet.wait_device`."""
+        self.layers.wait_device(i, stream)
 
     def done(self) -> bool:
         return self._future.done()
@@ -181,6 +197,22 @@ class _Operation:
     track: bool
     host_pages: np.ndarray[Any, np.dtype[np.int64]]
     device_pages: np.ndarray[Any, np.dtype[np.int64]]
+    #: CUDA: the copy stream waits for this event before it touches the slots.
+    ready: torch.cuda.Event | None = None
+    #: Loads: write jobs still filling some of the host slots it reads.
+    after: list[_WriteJob] | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _WriteJob:
+    """A merged write, from `start_writing` until it has settled.
+
+    ``settled`` resolves (or fails) once every byte of it is on the host;
+    a load that reads any of ``host_pages`` waits for it first.
+    """
+
+    host_pages: np.ndarray[Any, np.dtype[np.int64]]
+    settled: concurrent.futures.Future[None] | None = None
 
 
 class _BusyPages:
@@ -206,6 +238,27 @@ class _BusyPages:
 
     def any(self, pages: np.ndarray[Any, np.dtype[np.int64]]) -> bool:
         return bool(pages.size) and bool(self.counts[pages].any())
+
+
+def _unique_events(
+    events: Any,
+) -> list[torch.cuda.Event]:
+    """The distinct non-``None`` events of ``events``, in order."""
+    out: list[torch.cuda.Event] = []
+    for ev in events:
+        if ev is not None and not any(ev is e for e in out):
+            out.append(ev)
+    return out
+
+
+def _wait_exception(fut: concurrent.futures.Future[None]) -> BaseException | None:
+    """Block (a copy worker thread) until ``fut`` is done; return its exception."""
+    concurrent.futures.wait([fut])
+    return fut.exception()
+
+
+def _mark_done(layers: LayerDoneSet, i: int) -> Callable[[], None]:
+    return lambda: layers.mark_done(i)
 
 
 class TierController(AsyncResource):
@@ -298,6 +351,8 @@ class TierController(AsyncResource):
         self.namespace = StorageNamespace.for_layout(
             self.layout, host_pool.host_layout, model=model, tp_rank=tp_rank, tp_size=tp_size
         )
+        if tp_group is not None:
+            collective_device(tp_group, device_pool.device)  # a clear ConfigError now
         self.tp_group = tp_group
         self.storage_config = storage_config or StorageTierConfig()
         self.storage: StorageTier | None = None
@@ -318,6 +373,13 @@ class TierController(AsyncResource):
         # Pages with a copy queued or running, per pool: they may not be freed.
         self._busy_device = _BusyPages(self.device_allocator.num_pages, ps)
         self._busy_host = _BusyPages(self.host_allocator.num_pages, ps)
+        # Host pages a write fills (queued or not settled): loads of them wait.
+        self._writing_host = _BusyPages(self.host_allocator.num_pages, ps)
+        self._write_jobs: set[_WriteJob] = set()
+        self._queued_write_job: _WriteJob | None = None
+        # CUDA: events after the last readers of device slots freed since the
+        # last load started; the next load's copy stream waits for them.
+        self._device_fences: list[torch.cuda.Event] = []
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -432,6 +494,56 @@ class TierController(AsyncResource):
         self._mark_busy(op, +1)
         return op
 
+    def ready_event(self, ready: Ready, what: str = "ready") -> torch.cuda.Event | None:
+        """Resolve a caller's ``ready`` into the event a copy stream will wait for.
+
+        Public so that a facade that submits the copy later (after an await)
+        can pin the ordering point at its own entry: pass the result back as
+        ``ready``.
+
+        Runs synchronously in the submitting call, on the caller's thread: the
+        default is an event recorded *now* on the caller's current stream of
+        the pool's device, so the copy is ordered after everything the caller
+        queued before it submitted. ``None`` on a CPU device, where the
+        caller's work is done when it calls us.
+
+        Raises:
+            InvalidInputError: ``ready`` is neither ``None``, a CUDA event nor a
+                CUDA stream of the pool's device, or is given for a CPU pool.
+        """
+        device = self.device_pool.device
+        if device.type != "cuda":
+            if ready is not None:
+                raise InvalidInputError(
+                    f"{what}: ready names a CUDA stream or event, but the device pool is on {device}"
+                )
+            return None
+        if ready is None:
+            ev = new_event()
+            ev.record(torch.cuda.current_stream(device))
+            return ev
+        if isinstance(ready, torch.cuda.Event):
+            return ready
+        if isinstance(ready, torch.cuda.Stream):
+            if ready.device != device:
+                raise InvalidInputError(
+                    f"{what}: ready is a stream of {ready.device}, the pool is on {device}"
+                )
+            ev = new_event()
+            ev.record(ready)
+            return ev
+        raise InvalidInputError(
+            f"{what}: ready must be a torch.cuda.Event, a torch.cuda.Stream or None, "
+            f"got {type(ready).__name__}"
+        )
+
+    def _pinned_indices(self, indices: torch.Tensor) -> torch.Tensor:
+        """CUDA: ``indices`` in pinned memory, so the plan's host->device index copy
+        is asynchronous on the copy stream (not a pageable copy that waits)."""
+        if self.device_pool.device.type == "cuda" and not indices.is_pinned():
+            return indices.pin_memory()
+        return indices
+
     # -- device -> host -------------------------------------------------------
 
     def submit_write(
@@ -441,15 +553,29 @@ class TierController(AsyncResource):
         node_id: int | None = None,
         *,
         track: bool = True,
+        ready: Ready = None,
     ) -> CopyAck | None:
         """Queue a backup of ``device_indices`` into newly allocated host slots.
+
+        Args:
+            device_indices: the page-aligned device slots to back up.
+            priority: merge order within one copy (lower first).
+            node_id: the id reported on the ack (one is made up when ``None``).
+            track: report the finished ack through `drain_acks`.
+            ready: CUDA only: the producer of the KV in ``device_indices``: an
+                event recorded after the kernels that wrote it, or the stream
+                they were queued on (an event is recorded on it now). By
+                default an event is recorded now on the calling thread's
+                current stream of the pool's device. The copy stream waits for
+                it before reading a byte. See "CUDA streams and lifetimes".
 
         Returns:
             The ack (with ``host_indices``), or ``None`` when host memory is full.
             The caller owns the host slots (free them with `evict_host`).
 
         Raises:
-            InvalidInputError: bad device indices. ClosedError / StateError: not open.
+            InvalidInputError: bad device indices or ``ready``.
+            ClosedError / StateError: not open.
         """
         self._check_open()
         dev = check_slot_indices(
@@ -457,6 +583,7 @@ class TierController(AsyncResource):
         )
         if not self.device_allocator.is_allocated(dev, checked=True):
             raise InvalidInputError("device_indices include slots that are not allocated")
+        ready_ev = self.ready_event(ready, "submit_write")
         host = self.host_allocator.alloc(dev.numel())
         if host is None:
             self.stats.host_full += 1
@@ -466,6 +593,13 @@ class TierController(AsyncResource):
         except BaseException:
             self.host_allocator.free(host)
             raise
+        op.ready = ready_ev
+        self._writing_host.add(op.host_pages, +1)
+        job = self._queued_write_job
+        if job is None:
+            job = self._queued_write_job = _WriteJob(op.host_pages)
+        else:
+            job.host_pages = np.concatenate([job.host_pages, op.host_pages])
         self._write_queue.append(op)
         self.stats.writes += 1
         if self.auto_start_writes and not self._write_start_scheduled:
@@ -475,13 +609,19 @@ class TierController(AsyncResource):
         return op.ack
 
     def write(
-        self, device_indices: torch.Tensor, priority: int = 0, node_id: int | None = None
+        self,
+        device_indices: torch.Tensor,
+        priority: int = 0,
+        node_id: int | None = None,
+        *,
+        ready: Ready = None,
     ) -> torch.Tensor | None:
         """The seed's verb: queue a backup; return the host slots or ``None`` when host memory is full.
 
-        Its completion comes out of `drain_acks`; `submit_write` returns an awaitable ack instead.
+        ``ready`` is `submit_write`'s. Its completion comes out of
+        `drain_acks`; `submit_write` returns an awaitable ack instead.
         """
-        ack = self.submit_write(device_indices, priority, node_id)
+        ack = self.submit_write(device_indices, priority, node_id, ready=ready)
         return None if ack is None else ack.host_indices
 
     def start_writing(self) -> int:
@@ -492,27 +632,34 @@ class TierController(AsyncResource):
     def _start_writes_now(self) -> int:
         self._write_start_scheduled = False
         ops, self._write_queue = self._write_queue, []
+        wjob, self._queued_write_job = self._queued_write_job, None
         if not ops or self._write_stream is None:
             return 0
+        assert wjob is not None
         ops.sort(key=lambda o: o.priority)
         host = torch.cat([o.host_indices for o in ops])
         dev = torch.cat([o.device_indices for o in ops])
-        plan = self.engine.plan(host, dev, checked=True)
+        readies = _unique_events(o.ready for o in ops)
+        pinned = self._pinned_indices
         stream = self._write_stream
         engine = self.engine
 
-        ready = self._compute_ready()
-
-        def job() -> None:
-            stream.wait_for(ready)
+        def job() -> Completion:
+            for ev in readies:
+                stream.wait_for(ev)
+            # Planned here, inside the copy stream's context: the device index
+            # tensor goes up from pinned memory on the copy stream, after the
+            # waits above, never on the caller's stream.
+            plan = engine.plan(host, pinned(dev), checked=True)
             engine.backup_all_layers(plan)
-            ev = stream.record_event()
-            if ev is not None:
-                ev.synchronize()
+            # The plan's index tensors stay alive until the copy has settled.
+            return Completion([(stream.record_event(), None)], keep=plan)
 
+        nbytes = host.numel() * self.layout.token_bytes
         self.stats.write_batches += 1
-        self.stats.bytes_device_to_host += engine.plan_bytes(plan)
-        self._launch(stream, job, ops, None, engine.plan_bytes(plan))
+        self.stats.bytes_device_to_host += nbytes
+        self._write_jobs.add(wjob)
+        wjob.settled, _ = self._launch(stream, job, ops, None, nbytes, wjob)
         return len(ops)
 
     # -- host -> device -------------------------------------------------------
@@ -524,16 +671,33 @@ class TierController(AsyncResource):
         node_id: int | None = None,
         *,
         track: bool = True,
+        ready: Ready = None,
     ) -> CopyAck | None:
         """Queue a load of ``host_indices`` into newly allocated device slots.
 
-        The copy starts at the next `start_loading`.
+        The copy starts at the next `start_loading`. When a write into some of
+        ``host_indices`` is still queued or running, the load is ordered after
+        it (it waits for that write's bytes to be on the host; if the write
+        fails, so does the load).
+
+        Args:
+            host_indices: the page-aligned host slots to load.
+            priority: merge order within one copy (lower first).
+            node_id: the id reported on the ack.
+            track: kept for symmetry with `submit_write` (loads are not drained).
+            ready: CUDA only: the last readers of the device slots the load
+                will fill (slots freed just before may still be read by queued
+                attention kernels): an event recorded after them or their
+                stream. By default an event is recorded now on the calling
+                thread's current stream of the pool's device. Fences recorded
+                by `evict_device` are waited for as well.
 
         Returns:
             The ack (with ``device_indices``), or ``None`` when device memory is full.
 
         Raises:
-            InvalidInputError: bad host indices. ClosedError / StateError: not open.
+            InvalidInputError: bad host indices or ``ready``.
+            ClosedError / StateError: not open.
         """
         self._check_open()
         host = check_slot_indices(
@@ -541,6 +705,7 @@ class TierController(AsyncResource):
         )
         if not self.host_allocator.is_allocated(host, checked=True):
             raise InvalidInputError("host_indices include slots that are not allocated")
+        ready_ev = self.ready_event(ready, "submit_load")
         dev = self.device_allocator.alloc(host.numel())
         if dev is None:
             self.stats.device_full += 1
@@ -550,19 +715,36 @@ class TierController(AsyncResource):
         except BaseException:
             self.device_allocator.free(dev)
             raise
+        op.ready = ready_ev
+        if self._writing_host.any(op.host_pages):
+            jobs = list(self._write_jobs)
+            if self._queued_write_job is not None:
+                jobs.append(self._queued_write_job)
+            op.after = [j for j in jobs if np.isin(op.host_pages, j.host_pages).any()]
         self._load_queue.append(op)
         self.stats.loads += 1
         return op.ack
 
     def load(
-        self, host_indices: torch.Tensor, priority: int = 0, node_id: int | None = None
+        self,
+        host_indices: torch.Tensor,
+        priority: int = 0,
+        node_id: int | None = None,
+        *,
+        ready: Ready = None,
     ) -> torch.Tensor | None:
-        """The seed's verb: queue a load; return the device slots or ``None`` when device memory is full."""
-        ack = self.submit_load(host_indices, priority, node_id)
+        """The seed's verb: queue a load; return the device slots or ``None`` when device memory is full.
+
+        ``ready`` is `submit_load`'s.
+        """
+        ack = self.submit_load(host_indices, priority, node_id, ready=ready)
         return None if ack is None else ack.device_indices
 
     def start_loading(self) -> LoadHandle | None:
         """Start every queued load now, merged, layer by layer on the load stream.
+
+        Never blocks on the GPU: on CUDA it hands the copy to the load stream's
+        worker and returns.
 
         Returns:
             The `LoadHandle`, or ``None`` when nothing was queued.
@@ -575,92 +757,111 @@ class TierController(AsyncResource):
         ops, self._load_queue = self._load_queue, []
         if not ops or self._load_stream is None or self._loop is None:
             return None
+        after: list[_WriteJob] = []
+        for o in ops:
+            for j in o.after or ():
+                if j not in after:
+                    after.append(j)
+        if any(j.settled is None for j in after):
+            self._start_writes_now()  # the load reads what those writes put on the host
         ops.sort(key=lambda o: o.priority)
         host = torch.cat([o.host_indices for o in ops])
         dev = torch.cat([o.device_indices for o in ops])
-        plan = self.engine.plan(host, dev, checked=True)
+        pinned = self._pinned_indices
+        readies = _unique_events([*(o.ready for o in ops), *self._device_fences])
+        self._device_fences = []  # the load stream waits for them once: later loads follow
         stream = self._load_stream
         engine = self.engine
         num_layers = self.layout.num_layers
         producer_id, layers = self.layer_done_counter.update_producer(
-            self._loop, cuda=stream.is_cuda
+            self._loop, cuda=stream.is_cuda, device=self.device_pool.device
         )
+        writes = [j.settled for j in after if j.settled is not None]
 
-        ready = self._compute_ready()
-
-        def job() -> None:
+        def job() -> Completion:
             try:
-                stream.wait_for(ready)
-                events: list[torch.cuda.Event | None] = []
+                for w in writes:
+                    # A backup into these host slots: its bytes first (rare:
+                    # the index only hands out host slots whose write settled).
+                    if _wait_exception(w) is not None:
+                        raise StateError("the backup into these host slots failed")
+                for r in readies:
+                    stream.wait_for(r)
+                plan = engine.plan(host, pinned(dev), checked=True)
+                steps: list[tuple[torch.cuda.Event | None, Callable[[], None] | None]] = []
                 for i in range(num_layers):
                     engine.load_layer(i, plan)
                     ev = stream.record_event()
                     if ev is None:
-                        layers.mark_done(i)
+                        layers.mark_done(i)  # CPU: the bytes are in place
                     else:
                         layers.mark_recorded(i, ev)
-                        events.append(ev)
-                for i, ev in enumerate(events):
-                    assert ev is not None
-                    ev.synchronize()
-                    layers.mark_done(i)
+                        steps.append((ev, _mark_done(layers, i)))
             except BaseException as e:
+                stream.settle()  # what was queued finishes before anyone frees the slots
                 layers.mark_failed(e)
                 raise
+            return Completion(steps, on_error=layers.mark_failed, keep=plan)
 
+        nbytes = host.numel() * self.layout.token_bytes
         self.stats.load_batches += 1
-        self.stats.bytes_host_to_device += engine.plan_bytes(plan)
-        done = self._launch(stream, job, ops, layers, engine.plan_bytes(plan))
+        self.stats.bytes_host_to_device += nbytes
+        # Never inline while a write it waits for runs: that wait would block the loop.
+        inline_ok = all(w.done() for w in writes)
+        _, done = self._launch(stream, job, ops, layers, nbytes, inline_ok=inline_ok)
         return LoadHandle(producer_id, host, dev, layers, done, [o.ack for o in ops])
-
-    def _compute_ready(self) -> torch.cuda.Event | None:
-        """On CUDA, an event after the work queued so far on the caller's stream.
-
-        The copy stream waits for it, so a backup never reads KV the forward
-        pass is still writing and a load never overwrites slots it still reads
-        (SGLang's ``wait_stream(current_stream())``). ``None`` on a CPU device,
-        where the caller's work is already done when it calls us.
-        """
-        if self.device_pool.device.type != "cuda":
-            return None
-        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ev.record(torch.cuda.current_stream(self.device_pool.device))
-        return ev
 
     # -- completion -----------------------------------------------------------
 
     def _launch(
         self,
         stream: CopyStream,
-        job: Callable[[], None],
+        job: Callable[[], Completion],
         ops: list[_Operation],
         layers: LayerDoneSet | None,
         nbytes: int,
-    ) -> asyncio.Future[None]:
+        wjob: _WriteJob | None = None,
+        *,
+        inline_ok: bool = True,
+    ) -> tuple[concurrent.futures.Future[None], asyncio.Future[None]]:
+        """Run ``job`` on ``stream``; settle ``ops`` on the loop once it has settled.
+
+        Returns the job's thread-safe future and its loop future, both
+        resolved once every byte the job queued has landed (or, on failure,
+        once the stream has settled after it).
+        """
         assert self._loop is not None
+        cf: concurrent.futures.Future[None] = concurrent.futures.Future()
         fut: asyncio.Future[None]
-        if nbytes <= self.inline_copy_bytes and not stream.is_cuda and stream.idle:
+        if inline_ok and nbytes <= self.inline_copy_bytes and not stream.is_cuda and stream.idle:
             # A copy this small takes less time than waking the worker
             # thread and the loop again: run it here.
+            cf.set_running_or_notify_cancel()
             fut = self._loop.create_future()
             try:
                 stream.run_inline(job)
+                cf.set_result(None)
                 fut.set_result(None)
             except BaseException as e:
+                cf.set_exception(e)
                 fut.set_exception(e)
         else:
             try:
-                fut = asyncio.wrap_future(stream.submit(job), loop=self._loop)
+                cf = stream.submit(job)
             except BaseException as e:
-                fut = self._loop.create_future()
-                fut.set_exception(e)
+                cf.set_running_or_notify_cancel()
+                cf.set_exception(e)
                 if layers is not None:
                     layers.mark_failed(e)
+            fut = asyncio.wrap_future(cf, loop=self._loop)
         self._inflight.add(fut)
-        fut.add_done_callback(lambda f: self._finish(f, ops))
-        return fut
+        fut.add_done_callback(lambda f: self._finish(f, ops, wjob))
+        return cf, fut
 
-    def _finish(self, fut: asyncio.Future[None], ops: list[_Operation]) -> None:
+    def _finish(
+        self, fut: asyncio.Future[None], ops: list[_Operation], wjob: _WriteJob | None
+    ) -> None:
+        """The job has settled: release its pages and resolve its acks (loop thread)."""
         self._inflight.discard(fut)
         error = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
         if error is not None:
@@ -668,8 +869,12 @@ class TierController(AsyncResource):
             logger.warning(
                 "a %s copy of %d operation(s) failed: %r", ops[0].ack.kind, len(ops), error
             )
+        if wjob is not None:
+            self._write_jobs.discard(wjob)
         for op in ops:
             self._mark_busy(op, -1)
+            if op.ack.kind == "write":
+                self._writing_host.add(op.host_pages, -1)
             if error is None:
                 op.ack._future.set_result(None)
             else:
@@ -689,8 +894,13 @@ class TierController(AsyncResource):
 
     # -- cancel-safe coroutines -----------------------------------------------
 
-    async def backup(self, device_indices: torch.Tensor, priority: int = 0) -> torch.Tensor | None:
+    async def backup(
+        self, device_indices: torch.Tensor, priority: int = 0, *, ready: Ready = None
+    ) -> torch.Tensor | None:
         """Copy device slots into new host slots and wait for the bytes.
+
+        ``ready`` is `submit_write`'s (the producer of the KV; default: the
+        caller's current stream when this is called).
 
         Returns:
             The host slots (the caller owns them), or ``None`` when host memory is full.
@@ -698,14 +908,19 @@ class TierController(AsyncResource):
         Cancelling the caller does not stop the copy; its host slots are freed
         when it finishes, so nothing leaks. A failed copy frees them and raises.
         """
-        ack = self.submit_write(device_indices, priority, track=False)
+        ack = self.submit_write(device_indices, priority, track=False, ready=ready)
         if ack is None:
             return None
         await self._await_or_release(ack, lambda: self.host_allocator.free(ack.host_indices))
         return ack.host_indices
 
-    async def load_back(self, host_indices: torch.Tensor, priority: int = 0) -> torch.Tensor | None:
+    async def load_back(
+        self, host_indices: torch.Tensor, priority: int = 0, *, ready: Ready = None
+    ) -> torch.Tensor | None:
         """Load host slots into new device slots and wait for all layers.
+
+        ``ready`` is `submit_load`'s (the last readers of recycled device
+        slots; default: the caller's current stream when this is called).
 
         The load starts on the next loop iteration, merged with the loads
         other tasks queue in the same iteration (as writes are).
@@ -716,7 +931,7 @@ class TierController(AsyncResource):
         Cancel-safe like `backup`: the device slots of an abandoned load are
         freed once its copy finishes.
         """
-        ack = self.submit_load(host_indices, priority, track=False)
+        ack = self.submit_load(host_indices, priority, track=False, ready=ready)
         if ack is None:
             return None
         if not self._load_start_scheduled:
@@ -743,12 +958,17 @@ class TierController(AsyncResource):
         busy = self._busy_device if pool == "device" else self._busy_host
         return busy.any(busy.pages(indices.cpu()))
 
-    def evict_device(self, device_indices: torch.Tensor) -> int:
+    def evict_device(self, device_indices: torch.Tensor, *, ready: Ready = None) -> int:
         """Free device slots (their host copies, if any, stay). Returns slots freed.
+
+        ``ready`` (CUDA only): the last readers of the slots, as an event or
+        stream (default: the calling thread's current stream of the pool's
+        device, recorded now). The next load's copy stream waits for it before
+        it overwrites any freed slot.
 
         Raises:
             StateError: a copy of those slots is queued or in flight.
-            InvalidInputError / DoubleFreeError: bad or unallocated slots.
+            InvalidInputError / DoubleFreeError: bad or unallocated slots, bad ``ready``.
         """
         self._check_open()
         dev = check_slot_indices(
@@ -756,8 +976,25 @@ class TierController(AsyncResource):
         )
         if self.ack_busy("device", dev):
             raise StateError("device slots with a copy in flight cannot be evicted; await its ack")
+        self.fence_device_reads(ready)
         self.device_allocator.free(dev, checked=True)
         return int(dev.numel())
+
+    def fence_device_reads(self, ready: Ready = None) -> None:
+        """Order the next load after the readers of device slots freed now (CUDA; else no-op).
+
+        Call it when freeing device slots through the allocator directly while
+        kernels that read them may still be queued: ``ready`` names those
+        readers (an event or their stream; default: the calling thread's
+        current stream of the pool's device, recorded now). The load stream
+        waits for it once, at the next `start_loading`.
+
+        Raises:
+            InvalidInputError: bad ``ready``.
+        """
+        ev = self.ready_event(ready, "fence_device_reads")
+        if ev is not None:
+            self._device_fences.append(ev)
 
     def evict_host(self, host_indices: torch.Tensor) -> int:
         """Free host slots. Returns slots freed.
@@ -903,6 +1140,20 @@ class TierController(AsyncResource):
         if self.storage is None:
             return None
         return self.storage.prefetch(request_id, host_indices, token_ids, last_hash)
+
+    def abstain_prefetch(self) -> None:
+        """With a TP group: take part in a prefetch's hit-count agreement without prefetching.
+
+        Every rank must make one agreement per prefetch. A rank that decides on
+        its own not to call `prefetch` for a request the other ranks prefetch
+        (its host memory is full, say) calls this instead: it contributes 0
+        hits, so no rank loads that prefix. Without a TP group, or with no
+        backend attached, it does nothing. `prefetch` itself already abstains
+        when the backend is down or rate limited.
+        """
+        self._check_open()
+        if self.storage is not None:
+            self.storage.abstain()
 
     def prefetch_rate_limited(self) -> bool:
         return self.storage is not None and self.storage.rate_limited()

@@ -76,6 +76,43 @@ def _observe_call(what: str, task: asyncio.Future[Any], seconds: float) -> None:
     observe("storage", what, seconds, outcome)
 
 
+class _Abstain:
+    """A prefetch this rank did not start (storage down, rate limited): the query
+    loop still takes part in the hit-count agreement, with 0 hits."""
+
+
+_ABSTAIN = _Abstain()
+
+
+def collective_device(tp_group: Any, pool_device: torch.device) -> torch.device:
+    """The device of the tensor the TP hit-count agreement reduces over ``tp_group``.
+
+    A gloo (or MPI) group reduces a CPU tensor; an NCCL group needs a tensor on
+    this rank's GPU (a CPU tensor makes NCCL fail and would stop the prefetch
+    loop). A group with both backends (``"cpu:gloo,cuda:nccl"``) uses gloo.
+
+    Raises:
+        ConfigError: ``tp_group`` is not a process group, uses a backend other
+            than gloo, MPI or NCCL, or is NCCL with a CPU device pool.
+    """
+    import torch.distributed as dist
+
+    try:
+        backend = str(dist.get_backend(tp_group)).lower()
+    except (RuntimeError, ValueError, TypeError, AttributeError) as e:
+        raise ConfigError(f"tp_group is not a usable torch.distributed process group: {e}") from e
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    if "nccl" in backend:
+        if pool_device.type != "cuda":
+            raise ConfigError(
+                "tp_group is an NCCL group but the device pool is on "
+                f"{pool_device}: pass a gloo group (dist.new_group(ranks, backend='gloo'))"
+            )
+        return pool_device
+    raise ConfigError(f"tp_group backend {backend!r} is not supported: use gloo or nccl")
+
+
 class PrefetchState(enum.Enum):
     QUERYING = "querying"
     LOADING = "loading"
@@ -280,14 +317,16 @@ class StorageTier:
         self.page_size = controller.layout.page_size
         self.page_bytes = controller.layout.page_bytes
         self._loop = asyncio.get_running_loop()
-        self._query_queue: asyncio.Queue[PrefetchOperation | None] = asyncio.Queue()
+        self._query_queue: asyncio.Queue[PrefetchOperation | _Abstain | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ops: set[PrefetchOperation] = set()
         self._io_slots = asyncio.Semaphore(config.io_concurrency)
         self._held_tokens = 0  # host tokens held by prefetches not yet handed over
         self._finished_backups: deque[BackupOperation] = deque()
         self._collective = None
+        self._collective_device = torch.device("cpu")
         if tp_group is not None:
+            self._collective_device = collective_device(tp_group, controller.device_pool.device)
             import concurrent.futures
 
             # Collectives must be issued in the same order on every rank: one thread.
@@ -459,10 +498,12 @@ class StorageTier:
         host, tokens = self._check_tokens(host_indices, token_ids)
         if self.down:
             self.stats.skipped_while_down += 1
+            self.abstain()
             return None
         cap = self.config.prefetch_capacity_tokens
         if cap is not None and self._held_tokens + host.numel() > cap and self._held_tokens > 0:
             self.stats.prefetch_rate_limited += 1
+            self.abstain()
             return None
         op = PrefetchOperation(request_id, host, tokens, prior_hash, self._loop.create_future())
         self._held_tokens += op.num_tokens
@@ -472,11 +513,25 @@ class StorageTier:
         self._query_queue.put_nowait(op)
         return op
 
+    def abstain(self) -> None:
+        """With a TP group: this rank skips a prefetch, yet joins its agreement (with 0 hits).
+
+        Every rank makes one collective per `prefetch` call, whether or not it
+        started the prefetch, so a rank whose storage is down or rate limited
+        neither blocks the others nor desynchronises their collectives; the
+        MIN it contributes (0) revokes the prefetch on every rank.
+        """
+        if self.tp_group is not None:
+            self._query_queue.put_nowait(_ABSTAIN)
+
     async def _query_loop(self) -> None:
         while True:
             op = await self._query_queue.get()
             if op is None:
                 return
+            if isinstance(op, _Abstain):
+                await self._agree_min(0)
+                continue
             try:
                 await self._query(op)
             except asyncio.CancelledError:
@@ -527,11 +582,13 @@ class StorageTier:
         import torch.distributed as dist
 
         group = self.tp_group
+        device = self._collective_device
 
         def reduce() -> int:
-            t = torch.tensor([value], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-            return int(t.item())
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                t = torch.tensor([value], dtype=torch.int64, device=device)
+                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+                return int(t.item())
 
         return await self._loop.run_in_executor(self._collective, reduce)
 

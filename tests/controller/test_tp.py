@@ -1,4 +1,4 @@
-"""Two CPU ranks over gloo agree on the MIN prefetch hit count."""
+"""Two CPU ranks over gloo agree on the MIN prefetch hit count, whatever one rank's storage does."""
 
 from __future__ import annotations
 
@@ -7,11 +7,19 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tiercache import DeviceKVPool, HostKVPool, KVLayout, TierController
+from tiercache.errors import ConfigError
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
-async def test_two_ranks_with_different_hits_agree_on_the_min(tmp_path: Path) -> None:
+async def _run_ranks(tmp_path: Path, ranks: list[tuple[int, str]]) -> list[dict[str, Any]]:
+    """Run one worker per ``(stored_pages, mode)``; fail (not hang) if they deadlock."""
     init = f"file://{tmp_path / 'rendezvous'}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [
@@ -19,19 +27,83 @@ async def test_two_ranks_with_different_hits_agree_on_the_min(tmp_path: Path) ->
             sys.executable,
             str(WORKER),
             str(rank),
-            "2",
+            str(len(ranks)),
             init,
             str(stored),
+            mode,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=env,
         )
-        for rank, stored in ((0, 6), (1, 3))
+        for rank, (stored, mode) in enumerate(ranks)
     ]
-    outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), timeout=90)
+    try:
+        outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), timeout=60)
+    except TimeoutError:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+        await asyncio.gather(*(p.wait() for p in procs))
+        pytest.fail("the ranks deadlocked in the hit-count agreement")
     for p, (_out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err.decode()[-2000:]
-    results = [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outs]
+    return [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outs]
+
+
+async def test_two_ranks_with_different_hits_agree_on_the_min(tmp_path: Path) -> None:
+    results = await _run_ranks(tmp_path, [(6, "normal"), (3, "normal")])
     # Rank 0 holds 6 pages, rank 1 holds 3: both load exactly 3 pages (48 tokens).
     for r in results:
+        assert r["first"] == 48, r
         assert r["agreed"] == [[48, 48]] * 3, r
+
+
+async def test_a_rank_whose_storage_is_down_still_joins_the_agreement(tmp_path: Path) -> None:
+    results = await _run_ranks(tmp_path, [(6, "normal"), (6, "down")])
+    healthy, down = results
+    assert healthy["first"] == down["first"] == 96, results
+    # Then rank 1's backend fails: its next query fails (a miss: 0 pages), which
+    # marks it down; it skips the next prefetches but still contributes 0.
+    assert down["started"] == [True, False, False], down
+    assert healthy["started"] == [True, True, True], healthy
+    assert healthy["agreed"] == [[0, 0]] * 3, healthy
+    assert down["agreed"] == [[0, 0]] * 3, down
+
+
+async def test_a_rate_limited_rank_still_joins_the_agreement(tmp_path: Path) -> None:
+    results = await _run_ranks(tmp_path, [(6, "limited"), (4, "normal")])
+    limited, normal = results
+    # The held prefetch agreed on MIN(6, 4) = 4 pages on both ranks ...
+    assert limited["first"] == normal["first"] == 64, results
+    # ... then every further prefetch is rate limited on rank 0: the agreed MIN is 0.
+    assert limited["started"] == [False, False, False], limited
+    assert normal["started"] == [True, True, True], normal
+    assert normal["agreed"] == [[0, 0]] * 3, normal
+
+
+async def test_a_rank_that_abstains_still_joins_the_agreement(tmp_path: Path) -> None:
+    results = await _run_ranks(tmp_path, [(6, "normal"), (6, "abstain")])
+    normal, abstained = results
+    assert abstained["started"] == [False, False, False], abstained
+    assert normal["agreed"] == [[0, 0]] * 3, normal
+
+
+def test_an_nccl_group_with_a_cpu_pool_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    lay = KVLayout(2, 2, 8, torch.float16, 16)
+    dev, host = DeviceKVPool(lay, 64), HostKVPool(lay, 64)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ConfigError, match="gloo"):
+        TierController(dev, host, tp_rank=0, tp_size=2, tp_group=object())
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "ucc")
+    with pytest.raises(ConfigError, match="not supported"):
+        TierController(dev, host, tp_rank=0, tp_size=2, tp_group=object())
+
+
+def test_a_tp_group_that_is_not_a_process_group_is_refused() -> None:
+    lay = KVLayout(2, 2, 8, torch.float16, 16)
+    with pytest.raises(ConfigError, match="process group"):
+        TierController(
+            DeviceKVPool(lay, 64), HostKVPool(lay, 64), tp_rank=0, tp_size=2, tp_group="group"
+        )

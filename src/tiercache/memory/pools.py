@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Literal
 
@@ -14,7 +15,18 @@ from tiercache.memory.allocator import check_slot_indices
 from tiercache.memory.layout import KVLayout
 from tiercache.memory.pages import PageBuffer
 
-__all__ = ["HOST_LAYOUTS", "DeviceKVPool", "HostKVPool", "HostLayout", "available_host_memory"]
+__all__ = [
+    "HOST_LAYOUTS",
+    "DeviceKVPool",
+    "HostKVPool",
+    "HostLayout",
+    "available_host_memory",
+    "resolve_device",
+]
+
+#: cudaHostRegister works on whole host pages: the pool's buffer is aligned to
+#: (and its registered length rounded up to) this many bytes.
+_HOST_PAGE = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +65,15 @@ def available_host_memory() -> int:
     return avail
 
 
-def _resolve_device(device: str | torch.device) -> torch.device:
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a `torch.device`; a bare ``"cuda"`` becomes the calling thread's current device.
+
+    Call it on the thread whose current device is meant (a TP rank's own
+    thread), never inside a worker thread, whose current device is 0.
+
+    Raises:
+        InvalidInputError: not a device, not cpu/cuda, or cuda without CUDA.
+    """
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -66,6 +86,45 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     elif dev.type != "cpu":
         raise InvalidInputError(f"device must be cpu or cuda, got {dev}")
     return dev
+
+
+def _registered_buffer(
+    shape: tuple[int, ...], dtype: torch.dtype, nbytes: int
+) -> tuple[torch.Tensor, int]:
+    """A pageable buffer of ``shape`` page-locked in place with ``cudaHostRegister``.
+
+    ``torch.empty(pin_memory=True)`` goes through torch's caching host
+    allocator, which rounds every block up to a power of two: a 40 GiB pool
+    would lock 64 GiB. Registering plain memory locks exactly the pages the
+    buffer spans. Returns the tensor and the bytes locked.
+
+    Raises:
+        RuntimeError: the driver refused to register the memory.
+    """
+    locked = -(-nbytes // _HOST_PAGE) * _HOST_PAGE
+    raw = torch.empty(locked + _HOST_PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _HOST_PAGE
+    region = raw[skip : skip + locked]
+    # cudaHostRegisterPortable (1): pinned for every CUDA context of the process.
+    err = int(
+        torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+            region.data_ptr(), locked, 1
+        )
+    )
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {locked} bytes failed with CUDA error {err}")
+    buf = region[:nbytes].view(dtype).view(shape)
+    return buf, locked
+
+
+def _unregister(buffer: torch.Tensor) -> None:
+    """Unlock a `_registered_buffer` (its pool is gone; views of it stay valid, pageable)."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(  # type: ignore[no-untyped-call]
+            buffer.data_ptr()
+        )
+    except Exception:  # interpreter shutdown: the process unmaps it anyway
+        pass
 
 
 class DeviceKVPool:
@@ -109,7 +168,7 @@ class DeviceKVPool:
             )
         self.layout = layout
         self.num_slots = num_slots
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         shape = (num_slots, layout.num_kv_heads, layout.head_dim)
         wrapped = [b for b in (k_buffers, v_buffers, kv_buffers) if b is not None]
         if wrapped:
@@ -197,10 +256,15 @@ class HostKVPool:
         num_slots: token slots (a multiple of the page size); or give
         size_bytes: the memory to use instead, rounded down to whole pages.
         host_layout: ``"layer_first"`` or ``"page_first"``.
-        pin_memory: pin the buffer (default: when CUDA is available).
+        pin_memory: page-lock the buffer (default: when CUDA is available).
+            A pinned pool is allocated pageable and registered in place with
+            ``cudaHostRegister``: it locks `pinned_bytes`, its size rounded up
+            to a 4 KiB page (torch's caching host allocator would round it up
+            to a power of two). Unlocked when the pool is garbage collected.
 
     Raises:
-        InvalidInputError: bad sizes or layout name.
+        InvalidInputError: bad sizes or layout name; ``pin_memory=True``
+            without CUDA.
         CapacityError: the pool does not fit in the host memory available.
     """
 
@@ -247,11 +311,20 @@ class HostKVPool:
                 f"{avail / 2**30:.2f} GiB of host memory is available"
             )
         self.pinned = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        if self.pinned and not torch.cuda.is_available():
+            raise InvalidInputError("pin_memory=True needs CUDA, which is not available")
         B, L, H, D = layout.num_buffers, layout.num_layers, layout.num_kv_heads, layout.head_dim
         shape = (B, L, num_slots, H, D) if host_layout == "layer_first" else (B, num_slots, L, H, D)
+        #: Bytes page-locked for this pool (0 when not pinned): the buffer
+        #: rounded up to whole host pages, never to a power of two.
+        self.pinned_bytes = 0
         try:
-            self.buffer = torch.empty(shape, dtype=layout.dtype, pin_memory=self.pinned)
-        except RuntimeError as e:  # out of memory, pinning refused
+            if self.pinned:
+                self.buffer, self.pinned_bytes = _registered_buffer(shape, layout.dtype, need)
+                weakref.finalize(self, _unregister, self.buffer)
+            else:
+                self.buffer = torch.empty(shape, dtype=layout.dtype)
+        except (RuntimeError, MemoryError) as e:  # out of memory, pinning refused
             raise CapacityError(
                 f"cannot allocate a host pool of {need / 2**30:.2f} GiB: {e}"
             ) from e

@@ -29,12 +29,29 @@ class LayerDoneSet:
     copy, on which the compute stream can wait without blocking the host.
 
     Created and awaited on the loop thread; ``mark_*`` are called from the copy
-    thread; ``wait_sync`` from any thread but the loop's.
+    threads (``mark_recorded`` once the layer's copy is queued, ``mark_done``
+    once its bytes landed, ``mark_failed`` once the failed load has settled);
+    ``wait_sync`` and ``wait_device`` from any thread but the loop's.
+
+    Args:
+        loop: the loop whose futures this set resolves.
+        num_layers: layers of the load.
+        cuda: the load runs on a CUDA stream (per-layer events are recorded).
+        device: the CUDA device of the pool the load fills: `wait_device`
+            makes *that* device's current stream wait, whatever the calling
+            thread's current device is.
     """
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, num_layers: int, cuda: bool = False
+        self,
+        loop: asyncio.AbstractEventLoop,
+        num_layers: int,
+        cuda: bool = False,
+        device: torch.device | None = None,
     ) -> None:
+        if cuda and (device is None or device.type != "cuda" or device.index is None):
+            raise InvalidInputError(f"a CUDA load needs an indexed CUDA device, got {device}")
+        self.device = device
         self.loop = loop
         self._loop_thread = threading.get_ident()  # created on the loop's thread
         self.num_layers = num_layers
@@ -135,12 +152,18 @@ class LayerDoneSet:
         fut = self.futures[layer]
         return fut.done() and not fut.cancelled() and fut.exception() is None
 
-    def wait_device(self, layer: int) -> None:
-        """On CUDA, make the current stream wait for layer ``layer`` without blocking the host.
+    def wait_device(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """On CUDA, make a compute stream wait for layer ``layer`` without blocking the host.
 
-        Blocks the calling thread only until the layer's copy has been
-        *enqueued* (microseconds); the wait itself happens on the GPU. On a CPU
-        device it is `wait_sync`.
+        ``stream``: the stream that will read the layer; by default the
+        calling thread's current stream *of the pool's device* (not of the
+        thread's current device). Blocks the calling thread only until the
+        layer's copy has been *enqueued* (microseconds: the load's enqueue
+        half never waits for an earlier load's bytes); the wait itself happens
+        on the GPU. On a CPU device it is `wait_sync`.
+
+        Raises:
+            Exception: the load's error, once the failed load has settled.
         """
         self._check(layer)
         if self._recorded is None:
@@ -151,7 +174,8 @@ class LayerDoneSet:
             raise self.error
         ev = self.cuda_events[layer]
         if ev is not None:
-            torch.cuda.current_stream().wait_event(ev)
+            target = stream if stream is not None else torch.cuda.current_stream(self.device)
+            target.wait_event(ev)
 
 
 class LayerDoneCounter:
@@ -172,11 +196,14 @@ class LayerDoneCounter:
         self.consumer_index = -1
 
     def update_producer(
-        self, loop: asyncio.AbstractEventLoop, cuda: bool = False
+        self,
+        loop: asyncio.AbstractEventLoop,
+        cuda: bool = False,
+        device: torch.device | None = None,
     ) -> tuple[int, LayerDoneSet]:
-        """Take the next set for a new load; returns its index and the set."""
+        """Take the next set for a new load; returns its index and the set (see `LayerDoneSet`)."""
         self.producer_index = (self.producer_index + 1) % self.num_counters
-        done = LayerDoneSet(loop, self.num_layers, cuda)
+        done = LayerDoneSet(loop, self.num_layers, cuda, device)
         self._sets[self.producer_index] = done
         return self.producer_index, done
 

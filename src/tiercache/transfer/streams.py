@@ -1,4 +1,18 @@
-"""Copy streams: ordered queues of copy work that run off the event loop."""
+"""Copy streams: ordered queues of copy work that run off the event loop.
+
+A job runs in two halves. The *enqueue* half runs on the stream's worker
+thread: on CUDA it only queues kernels on the stream and records events (a
+few microseconds a layer), then returns the `Completion` it wants reported.
+The *settle* half waits for those events on a separate completer thread and
+runs each step's callback once its bytes are in place. So the next job's
+kernels are queued while the previous job's bytes still move, and a consumer
+waiting device-side for the next job's first layer is not held behind the
+previous job's host-side wait.
+
+A job that raises while enqueueing is settled before its failure is
+reported: an event is recorded after what it already queued and the worker
+waits for it, so no caller frees memory a DMA still reads or writes.
+"""
 
 from __future__ import annotations
 
@@ -8,34 +22,71 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from tiercache.observe import observe
 
-__all__ = ["CopyStream"]
+__all__ = ["Completion", "CopyStream", "new_event"]
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
+
+
+def new_event() -> torch.cuda.Event:
+    """A CUDA event that the host waits on by sleeping, not spinning.
+
+    ``blocking=True`` makes ``synchronize`` yield the CPU (the driver's
+    blocking-sync flag): a default event spin-waits and burns a core per
+    waiting thread for the whole copy.
+    """
+    return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+
+
+@dataclass(slots=True)
+class Completion:
+    """What a job's settle half waits for, and what it reports.
+
+    ``steps``: ``(event, callback)`` pairs in stream order. On CUDA the
+    completer waits for each event, then runs its callback (on the completer
+    thread). With ``event`` ``None`` (a CPU stream, where the bytes moved while
+    the job ran) the callback runs at once. ``on_error`` runs, after the stream
+    has settled, if waiting for an event fails. ``keep`` holds objects (index
+    tensors, plans) that queued kernels still read: they are dropped only
+    once every step has settled.
+    """
+
+    steps: list[tuple[torch.cuda.Event | None, Callable[[], None] | None]] = field(
+        default_factory=list
+    )
+    on_error: Callable[[BaseException], None] | None = None
+    keep: Any = None
 
 
 class CopyStream:
-    """An ordered stream of copy jobs, each run on the stream's own worker thread.
+    """An ordered stream of copy jobs, enqueued on the stream's own worker thread.
 
     Jobs run one after another in submission order, as work on one CUDA stream
     does. On a CPU device the worker thread *is* the stream: torch's copy
     kernels release the GIL, so the event loop keeps running while bytes move.
     On CUDA the worker enqueues the job's kernels on a dedicated
-    ``torch.cuda.Stream`` (so copies overlap the compute stream) and then waits
-    on the events it records, which is what turns GPU completion into host-side
-    futures without ever blocking the loop.
+    ``torch.cuda.Stream`` of the stream's device (so copies overlap the
+    compute stream) and hands the events it records to a completer thread,
+    which waits for them with blocking (non-spinning) events and resolves the
+    job's future: GPU completion becomes a host-side future without ever
+    blocking the loop, and without holding the next job's enqueue.
+
+    A job's future resolves only after everything the job queued has finished
+    on the device, whether it succeeded or failed: callers may free the job's
+    slots from the future's callbacks.
 
     `submit` may be called from any thread; `close` waits for queued jobs.
 
     Args:
-        name: used in the worker thread's name (``tiercache-<name>``).
-        device: the device whose memory the stream copies to or from.
+        name: used in the worker threads' names (``tiercache-<name>``).
+        device: the device whose memory the stream copies to or from; a CUDA
+            device must carry its index.
     """
 
     def __init__(self, name: str, device: torch.device) -> None:
@@ -48,28 +99,39 @@ class CopyStream:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"tiercache-{name}"
         )
+        self._completer = (
+            concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"tiercache-{name}-settle"
+            )
+            if self.is_cuda
+            else None
+        )
         self._closed = False
-        self._pending = 0  # jobs submitted and not finished
+        self._pending = 0  # jobs submitted and not settled
         self._lock = threading.Lock()
 
     @property
     def idle(self) -> bool:
-        """No job is queued or running."""
+        """No job is queued, running or settling."""
         return self._pending == 0
 
-    def run_inline(self, job: Callable[[], T]) -> T:
+    def run_inline(self, job: Callable[[], Completion | None]) -> None:
         """Run ``job`` now on the calling thread (CPU streams only, and only when `idle`).
 
         For copies so small that handing them to the worker thread costs more
-        than the copy: ordering is kept because nothing else is queued.
+        than the copy: ordering is kept because nothing else is queued. The
+        completion's callbacks run before this returns.
 
         Raises:
             RuntimeError: a CUDA stream, a busy stream or a closed one.
+            Exception: whatever the job raised.
         """
         if self.is_cuda or self._closed or self._pending:
             raise RuntimeError(f"copy stream {self.name} cannot run a job inline now")
         with torch.inference_mode():
-            return job()
+            done = job()
+        if done is not None:
+            self._settle_steps(done)
 
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
@@ -79,33 +141,83 @@ class CopyStream:
             with torch.cuda.device(self.device), torch.cuda.stream(self.cuda_stream):
                 yield
 
-    def submit(self, job: Callable[[], T]) -> concurrent.futures.Future[T]:
+    def submit(self, job: Callable[[], Completion | None]) -> concurrent.futures.Future[None]:
         """Queue ``job``; it runs on the worker thread inside the stream context.
+
+        The returned future resolves once the job's `Completion` has settled
+        (every event waited for, every callback run), or fails with the job's
+        error once the stream has settled after it.
 
         Raises:
             RuntimeError: the stream was closed.
         """
         if self._closed:
             raise RuntimeError(f"copy stream {self.name} is closed")
+        result: concurrent.futures.Future[None] = concurrent.futures.Future()
+        result.set_running_or_notify_cancel()
 
-        def run() -> T:
-            t0 = time.perf_counter()
+        started = [time.perf_counter()]
+
+        def finished() -> None:
+            observe("copy", self.name, time.perf_counter() - started[0])
+            with self._lock:
+                self._pending -= 1
+
+        def settle(done: Completion) -> None:
+            try:
+                self._settle_steps(done)
+            except BaseException as e:
+                finished()
+                result.set_exception(e)
+            else:
+                finished()
+                result.set_result(None)
+
+        def run() -> None:
+            started[0] = time.perf_counter()
             try:
                 with self._context(), torch.inference_mode():
-                    return job()
-            finally:
-                observe("copy", self.name, time.perf_counter() - t0)
-                with self._lock:
-                    self._pending -= 1
+                    try:
+                        done = job()
+                    except BaseException:
+                        self.settle()  # nothing the job queued is still running
+                        raise
+            except BaseException as e:
+                finished()
+                result.set_exception(e)
+                return
+            if done is None:
+                done = Completion()
+            if self._completer is None or not any(ev is not None for ev, _ in done.steps):
+                settle(done)
+            else:
+                self._completer.submit(settle, done)
 
         with self._lock:
             self._pending += 1
         try:
-            return self._executor.submit(run)
+            self._executor.submit(run)
         except BaseException:
             with self._lock:
                 self._pending -= 1
             raise
+        return result
+
+    def _settle_steps(self, done: Completion) -> None:
+        try:
+            for ev, callback in done.steps:
+                if ev is not None:
+                    ev.synchronize()
+                if callback is not None:
+                    callback()
+        except BaseException as e:
+            with contextlib.suppress(Exception):
+                self.settle()
+            if done.on_error is not None:
+                done.on_error(e)
+            raise
+        finally:
+            done.keep = None
 
     def wait_for(self, event: torch.cuda.Event | None) -> None:
         """On CUDA, make this stream wait for ``event`` (call from inside a job); else nothing."""
@@ -113,17 +225,29 @@ class CopyStream:
             self.cuda_stream.wait_event(event)
 
     def record_event(self) -> torch.cuda.Event | None:
-        """On CUDA, record an event on the stream (call from inside a job); else ``None``."""
+        """On CUDA, record a blocking event on the stream (call from inside a job); else ``None``."""
         if self.cuda_stream is None:
             return None
-        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev = new_event()
         ev.record(self.cuda_stream)
         return ev
 
+    def settle(self) -> None:
+        """Block until everything queued on the stream so far has finished (CPU: nothing to do).
+
+        Called by a job that fails part-way, before it reports the failure:
+        copies it already queued may still be reading or writing its slots.
+        """
+        ev = self.record_event()
+        if ev is not None:
+            ev.synchronize()
+
     def close(self) -> None:
-        """Wait for queued jobs, then stop the worker. Blocking; idempotent."""
+        """Wait for queued jobs and their settling, then stop the threads. Blocking; idempotent."""
         self._closed = True
         self._executor.shutdown(wait=True)
+        if self._completer is not None:
+            self._completer.shutdown(wait=True)
 
     def __repr__(self) -> str:
         return f"CopyStream({self.name!r}, device={self.device})"
