@@ -142,7 +142,10 @@ async def test_damaged_file_is_a_logged_miss_and_is_removed(
         before = dst[0].tobytes()
         with caplog.at_level(logging.WARNING, logger=LOGGER):
             assert await b.batch_get(ks, dst) == [False, True]
-        assert dst[0].tobytes() == before  # never wrong bytes
+        if damage is not _flip:
+            assert dst[0].tobytes() == before  # a bad header never touches the page
+        # A flipped payload byte is found after the read into the page (one copy): the
+        # page is reported as not arrived, so its slot is never published.
         assert dst[1].tobytes() == src[1].tobytes()
         assert "failed its checks" in caplog.text
         assert not await asyncio.to_thread(page_path(root, ks[0]).exists)
