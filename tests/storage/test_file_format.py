@@ -22,15 +22,14 @@ from tests.storage.storage_helpers import FORMAT, keys, random_page
 
 from tiercache.memory import PageBuffer
 from tiercache.storage import file as file_module
-from tiercache.storage.file import FileBackend, default_concurrency, shard_dirs
+from tiercache.storage.file import FileBackend, default_concurrency, shard_dir
 from tiercache.storage.format import VERSION, decode_header, is_older_version, pack_page
 
 LOGGER = "tiercache.storage.file"
 
 
 def page_path(root: Path, key: str) -> Path:
-    a, b = shard_dirs(key)
-    return root / a / b / f"{key}.page"
+    return root / shard_dir(key) / f"{key}.page"
 
 
 def version1_blob(key: str, page: PageBuffer) -> bytes:
@@ -55,31 +54,54 @@ def test_the_format_version_is_2_and_older_pages_are_told_apart() -> None:
     assert not is_older_version(b"junk" + bytes(40))
 
 
-async def test_a_version_1_page_is_a_quiet_miss_and_the_next_write_replaces_it(
+def old_tree_path(root: Path, key: str) -> Path:
+    """Where format version 1 kept a page: two shard levels."""
+    tail = key.rpartition("-")[2]
+    return root / tail[:2] / tail[2:4] / f"{key}.page"
+
+
+async def test_version_1_pages_are_quiet_misses_and_the_next_write_replaces_them(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "store"
-    ks = keys(2)
-    old = [random_page(), random_page()]
-    for k, p in zip(ks, old, strict=True):
-        path = page_path(root, k)
+    ks = keys(3)
+    old = [random_page() for _ in ks]
+    # Two in the version 1 tree, one (copied by hand) where version 2 looks.
+    places = [old_tree_path(root, ks[0]), old_tree_path(root, ks[1]), page_path(root, ks[2])]
+    for k, p, path in zip(ks, old, places, strict=True):
         await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
         await asyncio.to_thread(path.write_bytes, version1_blob(k, p))
     async with await FileBackend.open(root) as b:
+        # The scan removed the old tree's files and its emptied directories.
+        assert not await asyncio.to_thread(places[0].exists)
+        assert not await asyncio.to_thread(places[0].parent.exists)
+        assert await b.batch_exists(ks[:2]) == 0
         dst = [PageBuffer.allocate(512, FORMAT) for _ in ks]
         with caplog.at_level(logging.WARNING, logger=LOGGER):
-            assert await b.batch_get(ks, dst) == [False, False]
-        assert [d.tobytes() for d in dst] == [bytes(512)] * 2  # never read into the page
+            assert await b.batch_get(ks, dst) == [False] * 3
+        assert [d.tobytes() for d in dst] == [bytes(512)] * 3  # never read into the page
         assert "failed its checks" not in caplog.text  # stale, not damaged
         assert (await b.stats()).corrupt_pages == 0
-        assert not await asyncio.to_thread(page_path(root, ks[0]).exists)
+        assert not await asyncio.to_thread(places[2].exists)
         assert await b.batch_exists(ks) == 0
-        new = [random_page(), random_page()]
-        assert await b.batch_set(ks, new) == [True, True]
-        assert await b.batch_get(ks, dst) == [True, True]
+        new = [random_page() for _ in ks]
+        assert await b.batch_set(ks, new) == [True] * 3
+        assert await b.batch_get(ks, dst) == [True] * 3
         assert [d.tobytes() for d in dst] == [p.tobytes() for p in new]
         raw = await b.read_raw(ks[0])
         assert raw is not None and decode_header(raw).key == ks[0]
+
+
+async def test_the_backend_makes_its_256_shards_once_and_clear_keeps_them(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    async with await FileBackend.open(root) as b:
+        shards = sorted(p.name for p in await asyncio.to_thread(lambda: list(root.iterdir())))
+        assert shards == [f"{i:02x}" for i in range(256)]
+        ks = keys(4)
+        assert await b.batch_set(ks, [random_page() for _ in ks]) == [True] * 4
+        await b.clear()
+        left = await asyncio.to_thread(lambda: sorted(root.rglob("*")))
+        assert len(left) == 256 and all(p.is_dir() for p in left)
 
 
 def _directory(path: Path) -> None:

@@ -3,13 +3,19 @@
 Layout on disk::
 
     root/
-      3f/9a/<key>.page        a page: format.py header + payload
-      3f/9a/.<key>.<pid>.<random>.tmp
-                              a write in progress (or left by a crash)
+      3f/<key>.page           a page: format.py header + payload
+      3f/.<key>.<pid>.<random>.tmp
+                              a write in progress, where O_TMPFILE is missing
+                              (or left by a crash)
 
-The two shard levels are the first four hex digits of the page-hash part of
-the key (the part after the last ``-``), so 65,536 directories share the pages
-evenly and no directory holds millions of files. Keys pass `validate_key`
+The shard is the first two hex digits of the page-hash part of the key (the
+part after the last ``-``): 256 directories share the pages evenly (a
+million pages is about 4,000 files a directory, which ext4 and xfs index by
+name). All 256 are created when the backend starts, so a write never pays
+for a ``mkdir`` (a fresh two-level tree of 65,536 directories used to cost
+more than the page's own bytes). Format version 1 stored pages two levels
+deep (``3f/9a/<key>.page``); the scan at start removes those files (they are
+stale, see `tiercache.storage.format`) and their empty directories. Keys pass `validate_key`
 first, so a key can never name a path outside its shard.
 
 **Atomic writes.** A page is written to an unnamed file in its final
@@ -137,12 +143,16 @@ _OPTIONS = frozenset(
 )
 
 
-def shard_dirs(key: str) -> tuple[str, str]:
-    """The two shard directory names of a key: from its page-hash part, else a hash of it."""
+def shard_dir(key: str) -> str:
+    """The shard directory name of a key: from its page-hash part, else a hash of it."""
     tail = key.rpartition("-")[2]
-    if len(tail) < 4 or not _HEX.issuperset(tail[:4]):
+    if len(tail) < 2 or not _HEX.issuperset(tail[:2]):
         tail = hashlib.sha256(key.encode()).hexdigest()
-    return tail[:2], tail[2:4]
+    return tail[:2]
+
+
+#: Every shard directory name, created when a backend starts.
+_SHARDS = tuple(f"{i:02x}" for i in range(256))
 
 
 def _stored_size(key: str, page: PageBuffer) -> int:
@@ -238,6 +248,7 @@ class FileBackend(StorageBackend):
         if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
             raise ConfigError(f"root must be a directory path, got {root!r}")
         self.root = Path(root)
+        self._root_str = os.fspath(self.root)
         self.capacity_bytes = (
             None
             if capacity_bytes is None
@@ -501,7 +512,7 @@ class FileBackend(StorageBackend):
         await self._ready()
         path = self._path(k)
         try:
-            await aiofiles.os.makedirs(path.parent, mode=self.dir_mode, exist_ok=True)
+            await aiofiles.os.makedirs(os.path.dirname(path), mode=self.dir_mode, exist_ok=True)
             mode = self.file_mode
             async with aiofiles.open(path, "wb", opener=lambda p, fl: os.open(p, fl, mode)) as f:
                 await f.write(data)
@@ -528,9 +539,9 @@ class FileBackend(StorageBackend):
         if not self._started:
             await self.start()
 
-    def _path(self, key: str) -> Path:
-        a, b = shard_dirs(key)
-        return self.root / a / b / (key + _SUFFIX)
+    def _path(self, key: str) -> str:
+        # Plain strings: pathlib's joins cost more than the open() they feed.
+        return f"{self._root_str}/{shard_dir(key)}/{key}{_SUFFIX}"
 
     def _adopt(self, key: str, size: int) -> None:
         if key not in self._index:
@@ -682,14 +693,14 @@ class FileBackend(StorageBackend):
         verify_in_place(key, h, page)
         return None
 
-    def _mkdirs(self, directory: Path) -> None:
-        for d in (self.root, directory.parent, directory):
+    def _mkdirs(self, directory: str) -> None:
+        for d in (self._root_str, directory):
             try:
                 os.mkdir(d, self.dir_mode)
             except FileExistsError:
                 pass
             except FileNotFoundError:
-                os.makedirs(d.parent, exist_ok=True)
+                os.makedirs(os.path.dirname(d), exist_ok=True)
                 os.makedirs(d, self.dir_mode, exist_ok=True)
 
     def _write_job(self, key: str, page: PageBuffer) -> _Result:
@@ -705,7 +716,7 @@ class FileBackend(StorageBackend):
         except OSError as e:
             return _Result("error", detail=f"{type(e).__name__}: {e}")
 
-    def _open_in(self, directory: Path, open_fn: Callable[[], int]) -> int:
+    def _open_in(self, directory: str, open_fn: Callable[[], int]) -> int:
         try:
             return open_fn()
         except FileNotFoundError:
@@ -713,11 +724,12 @@ class FileBackend(StorageBackend):
             return open_fn()
 
     def _publish_unnamed(
-        self, path: Path, parts: Sequence[bytes | memoryview], size: int
+        self, path: str, parts: Sequence[bytes | memoryview], size: int
     ) -> _Result:
         """Write to an ``O_TMPFILE`` file in ``path``'s directory, then ``linkat`` it in place."""
         flags = os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC
-        fd = self._open_in(path.parent, lambda: os.open(path.parent, flags, self.file_mode))
+        directory = os.path.dirname(path)
+        fd = self._open_in(directory, lambda: os.open(directory, flags, self.file_mode))
         try:
             _writev_all(fd, parts)
             if self.fsync:
@@ -732,17 +744,16 @@ class FileBackend(StorageBackend):
         if not published:
             return _Result("exists", size)
         if self.fsync:
-            _fsync_dir(path.parent)
+            _fsync_dir(directory)
         return _Result("written", size)
 
-    def _publish_named(self, path: Path, parts: Sequence[bytes | memoryview], size: int) -> _Result:
+    def _publish_named(self, path: str, parts: Sequence[bytes | memoryview], size: int) -> _Result:
         """Write to a named temporary file, then hard-link it in place (or rename it)."""
-        tmp = (
-            path.parent
-            / f".{path.name[: -len(_SUFFIX)]}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
-        )
+        directory, name = os.path.split(path)
+        key = name[: -len(_SUFFIX)]
+        tmp = f"{directory}/.{key}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        fd = self._open_in(path.parent, lambda: os.open(tmp, flags, self.file_mode))
+        fd = self._open_in(directory, lambda: os.open(tmp, flags, self.file_mode))
         try:
             try:
                 _writev_all(fd, parts)
@@ -751,14 +762,14 @@ class FileBackend(StorageBackend):
             finally:
                 os.close(fd)
             try:
-                if not _link_first(str(tmp), path):
+                if not _link_first(tmp, path):
                     return _Result("exists", size)
             except OSError as e:
                 if e.errno not in _NO_LINK_ERRNOS:
                     raise
                 os.replace(tmp, path)
             if self.fsync:
-                _fsync_dir(path.parent)
+                _fsync_dir(directory)
             return _Result("written", size)
         finally:
             self._unlink(tmp)
@@ -798,7 +809,7 @@ class FileBackend(StorageBackend):
         return found
 
     @staticmethod
-    def _unlink(path: Path) -> bool:
+    def _unlink(path: str | Path) -> bool:
         try:
             os.unlink(path)
             return True
@@ -806,19 +817,31 @@ class FileBackend(StorageBackend):
             return False
 
     def _shards(self) -> list[Path]:
-        out: list[Path] = []
-        for a in _list_dirs(self.root):
-            out += [Path(a.path, b.name) for b in _list_dirs(Path(a.path))]
-        return out
+        return [Path(e.path) for e in _list_dirs(self.root)]
 
-    def _scan_job(self) -> tuple[list[tuple[str, int]], int]:
-        """Index ``*.page`` files oldest first; remove stale temporary files."""
+    def _make_shards(self) -> None:
+        """Create the root and any of the 256 shard directories that are missing."""
         if not self.root.exists():
             os.makedirs(self.root.parent, exist_ok=True)
             try:
                 os.mkdir(self.root, self.dir_mode)
             except FileExistsError:
                 pass
+        have = {e.name for e in _list_dirs(self.root)}
+        for name in _SHARDS:
+            if name not in have:
+                try:
+                    os.mkdir(os.path.join(self.root, name), self.dir_mode)
+                except FileExistsError:
+                    pass  # another process made it, or a file stands there (writes report it)
+
+    def _scan_job(self) -> tuple[list[tuple[str, int]], int]:
+        """Make the shards; index ``*.page`` files oldest first; remove stale files.
+
+        Stale: temporary files older than ten minutes, and format version 1
+        pages in the old two-level tree (``ab/cd/<key>.page``).
+        """
+        self._make_shards()
         if not self.scan:
             return [], 0
         pages: list[tuple[float, str, int]] = []
@@ -833,23 +856,36 @@ class FileBackend(StorageBackend):
                         continue
                     if e.name.startswith(".") and e.name.endswith(_TMP_SUFFIX):
                         if st.st_mtime < stale_before:
-                            removed += self._unlink(Path(e.path))
-                    elif e.name.endswith(_SUFFIX) and e.is_file(follow_symlinks=False):
+                            removed += self._unlink(e.path)
+                    elif e.name.endswith(_SUFFIX) and stat.S_ISREG(st.st_mode):
                         pages.append((st.st_mtime, e.name[: -len(_SUFFIX)], st.st_size))
+            for old in _list_dirs(shard):  # the version 1 layout
+                removed += _remove_page_files(Path(old.path), rmdir=True)
         pages.sort()
         return [(k, size) for _, k, size in pages], removed
 
     def _clear_job(self) -> None:
+        # The shard directories stay: the next writes need them.
         for shard in self._shards():
-            with os.scandir(shard) as it:
-                names = [e.path for e in it if e.name.endswith((_SUFFIX, _TMP_SUFFIX))]
-            for p in names:
-                self._unlink(Path(p))
-            for d in (shard, shard.parent):
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    pass  # not empty: something else lives there
+            _remove_page_files(shard, rmdir=False)
+            for old in _list_dirs(shard):
+                _remove_page_files(Path(old.path), rmdir=True)
+
+
+def _remove_page_files(directory: Path, *, rmdir: bool) -> int:
+    """Unlink the ``*.page`` and ``*.tmp`` files of ``directory`` (then the directory if empty)."""
+    try:
+        with os.scandir(directory) as it:
+            names = [e.path for e in it if e.name.endswith((_SUFFIX, _TMP_SUFFIX))]
+    except FileNotFoundError:
+        return 0
+    n = sum(FileBackend._unlink(p) for p in names)
+    if rmdir:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass  # not empty: something else lives there
+    return n
 
 
 def _list_dirs(path: Path) -> list[os.DirEntry[str]]:
@@ -889,7 +925,7 @@ def _settle(batch: _Batch, finished: asyncio.Future[None], errors: list[BaseExce
             batch.set_result(None)
 
 
-def _is_page_file(path: Path) -> bool:
+def _is_page_file(path: str | Path) -> bool:
     """Whether a regular file stands at ``path``; anything else found there is removed."""
     try:
         st = os.lstat(path)
@@ -901,7 +937,7 @@ def _is_page_file(path: Path) -> bool:
     return False
 
 
-def _remove_entry(path: Path) -> None:
+def _remove_entry(path: str | Path) -> None:
     """Remove whatever stands at ``path`` (file, link, fifo, directory tree); never follows links."""
     try:
         st = os.lstat(path)
@@ -917,7 +953,7 @@ def _remove_entry(path: Path) -> None:
 
 
 def _link_first(
-    src: str, path: Path, *, src_dir_fd: int | None = None, follow: bool = False
+    src: str, path: str | Path, *, src_dir_fd: int | None = None, follow: bool = False
 ) -> bool:
     """Hard-link ``src`` at ``path``; ``False`` if a page file is already there (first writer wins).
 
@@ -971,7 +1007,7 @@ def _writev_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
             bufs[0] = bufs[0][n:]
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir(path: str | Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
