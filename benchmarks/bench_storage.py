@@ -570,6 +570,8 @@ def main(
             rows: list[dict[str, Any]] = []
             if grid:
                 configs = [(b, c) for b in BATCHES for c in CONCURRENCY]
+                if smoke:  # only that it runs: one point a page size
+                    configs = [(16, 4)]
                 for label in PAGE_LAYOUTS:
                     rows += await _measure(
                         label, sizes.grid_mib, sizes.grid_rounds, configs, workdir / label

@@ -1,7 +1,7 @@
 """CopyEngine copies: every path moves the right bytes, and no temporary outgrows the bound.
 
-The paths: contiguous runs, scattered pages on both sides (one small copy per
-page and layer, shared over copy threads), a scattered host into a fresh
+The paths: contiguous runs, scattered pages on both sides (one integer-row
+copy per page and layer), a scattered host into a fresh
 device run (page gather), and many short runs (index gather/scatter); for
 backup and load, ``layer_first`` and ``page_first`` host pools, stacked and
 caller-owned device buffers.
@@ -9,9 +9,6 @@ caller-owned device buffers.
 
 from __future__ import annotations
 
-import threading
-
-import numpy as np
 import pytest
 import torch
 
@@ -112,19 +109,11 @@ def test_backup_then_load_moves_every_byte(
             assert not device.buffers[b][layer][outside].any()
 
 
-def test_many_scattered_pages_are_shared_over_copy_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above the size where threads pay, a layer's per-page copies are shared over threads."""
-    monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
+def test_scattered_pages_on_a_cpu_pool_copy_as_integer_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One-page runs are copied as int64 rows: under torch's parallel grain, no fork per page."""
     monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    seen: set[str] = set()
-    real = np.copyto
-
-    def copyto(dst: np.ndarray, src: np.ndarray) -> None:
-        seen.add(threading.current_thread().name)
-        real(dst, src)
-
-    monkeypatch.setattr(np, "copyto", copyto)
     device = _device(True)
     _fill_device(device)
     host = HostKVPool(LAYOUT, SLOTS, host_layout="page_first")
@@ -134,10 +123,20 @@ def test_many_scattered_pages_are_shared_over_copy_threads(monkeypatch: pytest.M
     assert plan.runs is not None and plan.device_runs is None
     want = _expect(device, _slots(dev_pages))
     engine.backup_all_layers(plan)
+    dtypes: list[torch.dtype] = []
+    real = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        dtypes.append(self.dtype)
+        return real(self, src, non_blocking)
+
     device.buffers[0][1].zero_()
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
     engine.load_layer(1, plan)
+    monkeypatch.setattr(torch.Tensor, "copy_", real)
     assert torch.equal(device.buffers[0][1][_slots(dev_pages)], want[0][1])
-    assert any(name.startswith("tiercache-copy") for name in seen)
+    assert len(dtypes) == 2 * len(host_pages)  # K and V, one copy a page
+    assert set(dtypes) == {torch.int64}
 
 
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])

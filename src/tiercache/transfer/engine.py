@@ -8,25 +8,15 @@ of a strided source before a host<->device DMA are made in chunks of at most
 pool a backup to the host goes layer by layer, where both sides are
 contiguous and no temporary is needed at all.
 
-**Runs on a CPU device pool.** A layer's runs (pages scattered on both
-sides give one run a page, a load back from a ``page_first`` host pool one
-strided run) are cut into pieces of at most 1 MiB, viewed as the widest
-integer rows they allow, and copied with numpy, which releases the GIL, on
-torch's thread count: the calling thread and short-lived ``tiercache-copy``
-helpers (they end after 0.2 s idle). That is one thread hand-off per layer,
-where a ``copy_`` per page paid an OpenMP fork and join per page.
+**Runs on a CPU device pool** are copied as the widest integer rows they
+allow: a one-page run of 128 KiB stays under torch's parallel grain, so pages
+scattered on both sides no longer pay an OpenMP fork and join per page.
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import functools
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tiercache.errors import InvalidInputError
@@ -37,12 +27,6 @@ __all__ = ["MAX_TEMP_BYTES", "CopyEngine", "TransferPlan"]
 
 #: The most bytes one temporary of a copy holds (see the module docstring).
 MAX_TEMP_BYTES = 64 << 20
-
-#: On a CPU device pool a layer's copies are cut into pieces of at most this
-#: many bytes, copied with numpy (one thread each, the GIL released) and shared
-#: over torch's thread count: one thread hand-off per layer instead of one
-#: OpenMP fork and join per copy.
-_PIECE_BYTES = 1 << 20
 
 #: Per-copy-call overhead, expressed in bytes a copy moves in the same time.
 #: A page run becomes one ``copy_`` call per buffer; scattered pages instead
@@ -77,91 +61,6 @@ def _spans(n: int, unit: int, unit_bytes: int) -> list[tuple[int, int]]:
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``(n, H, D)`` -> ``(n, H*D)`` widest-int rows (a view; the token dim may be strided)."""
     return _int_view(t.view(t.shape[0], -1))
-
-
-#: Small CPU copies are shared over threads only when one call moves at least
-#: this much: below it a thread hop costs more than it saves (and the
-#: controller's inline copies, at most 256 KiB, never leave their thread).
-_PARALLEL_MIN_BYTES = 1 << 20
-
-#: A helper copy thread that has had nothing to do for this long ends itself.
-_IDLE_EXIT_S = 0.2
-
-
-class _CopyThreads:
-    """Helper threads for small CPU copies, started on demand, ending when idle.
-
-    Nothing to shut down: a thread that finds no job for `_IDLE_EXIT_S`
-    returns, so no copy thread outlives a burst of copies by more than that.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._jobs: collections.deque[
-            tuple[Callable[[], None], concurrent.futures.Future[None]]
-        ] = collections.deque()
-        self._idle = 0
-        self._started = 0
-
-    def submit(self, fn: Callable[[], None]) -> concurrent.futures.Future[None]:
-        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        with self._cond:
-            self._jobs.append((fn, fut))
-            if self._idle:
-                self._cond.notify()
-            else:
-                self._started += 1
-                threading.Thread(
-                    target=self._work, name=f"tiercache-copy-{self._started}", daemon=True
-                ).start()
-        return fut
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs:
-                    self._idle += 1
-                    self._cond.wait(_IDLE_EXIT_S)
-                    self._idle -= 1
-                    if not self._jobs:
-                        return
-                fn, fut = self._jobs.popleft()
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fn()
-                except BaseException as e:
-                    fut.set_exception(e)
-                else:
-                    fut.set_result(None)
-
-
-_helpers = _CopyThreads()
-
-
-def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst[:] = src`` for each pair of CPU tensors, shared over torch's thread count.
-
-    The calling thread takes one share and waits for the helpers' shares:
-    synchronous, like every engine call.
-    """
-    nbytes = sum(dst.nbytes for dst, _ in pairs)
-    threads = min(torch.get_num_threads(), len(pairs))
-    arrays = [(dst.numpy(), src.numpy()) for dst, src in pairs]
-    if threads <= 1 or nbytes < _PARALLEL_MIN_BYTES:
-        for dst_a, src_a in arrays:
-            np.copyto(dst_a, src_a)
-        return
-
-    def part(k: int) -> None:
-        for dst_a, src_a in arrays[k::threads]:
-            np.copyto(dst_a, src_a)
-
-    helpers = [_helpers.submit(functools.partial(part, k)) for k in range(1, threads)]
-    try:
-        part(0)
-    finally:
-        for f in helpers:
-            f.result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +242,7 @@ class CopyEngine:
         src = self.device_pool.buffers[b][layer]
         dst = self.host_pool.layer(b, layer)
         if plan.runs is not None:
-            self._copy_runs(dst, src, [(d0, h0, n) for h0, d0, n in plan.runs], to_host=True)
+            self._copy_runs(dst, src, [(d0, h0, n) for h0, d0, n in plan.runs])
             return
         for lo, hi in _spans(plan.num_tokens, self.layout.page_size, self.layout.token_layer_bytes):
             gathered = src.index_select(0, plan.device_indices[lo:hi])
@@ -356,14 +255,13 @@ class CopyEngine:
         if plan.empty:
             return
         nb = self.non_blocking
-        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         for b in range(self.layout.num_buffers):
             src = self.host_pool.layer(b, layer)
             dst = self.device_pool.buffers[b][layer]
             if plan.device_runs is not None and plan.host_pages is not None:
                 self._gather_pages(src, dst, plan.device_runs, plan.host_pages)
             elif plan.runs is not None:
-                pieces += self._copy_runs(dst, src, plan.runs, to_host=False)
+                self._copy_runs(dst, src, plan.runs)
             else:
                 per_token = self.layout.token_layer_bytes
                 for lo, hi in _spans(plan.num_tokens, self.layout.page_size, per_token):
@@ -371,44 +269,32 @@ class CopyEngine:
                     dst.index_copy_(
                         0, plan.device_indices[lo:hi], gathered.to(self.device, non_blocking=nb)
                     )
-        if pieces:
-            _copy_pairs(pieces)
 
     def _copy_runs(
         self,
         dst: torch.Tensor,
         src: torch.Tensor,
         runs: tuple[tuple[int, int, int], ...] | list[tuple[int, int, int]],
-        *,
-        to_host: bool,
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ) -> None:
         """Copy ``src[s0:s0+n]`` to ``dst[t0:t0+n]`` for each ``(s0, t0, n)`` of one layer.
 
         Note the order: ``runs`` holds ``(src start, dst start, length)``.
-        On a CPU device pool the runs are cut into pieces of at most
-        `_PIECE_BYTES` (int-row views), returned for the caller to share out
-        with `_copy_pairs` (a backup copies them here). Otherwise each run is
-        copied here, in chunks of at most `MAX_TEMP_BYTES` where the source is
-        strided (a ``page_first`` host layer, which torch stages contiguously
-        before a DMA).
+        On a CPU device pool each run is one copy of integer rows; otherwise
+        runs are copied in chunks of at most `MAX_TEMP_BYTES` where the source
+        is strided (a ``page_first`` host layer, which torch stages
+        contiguously before a DMA).
         """
         nb = self.non_blocking
-        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self.device.type == "cpu":
+            # Integer rows: a one-page run stays under torch's parallel grain (no
+            # OpenMP fork and join for 128 KiB); long runs still copy in parallel.
             s, d = _rows(src), _rows(dst)
-            step = max(1, _PIECE_BYTES // self.layout.token_layer_bytes)
             for s0, t0, n in runs:
-                for lo in range(0, n, step):
-                    hi = min(lo + step, n)
-                    pieces.append((d[t0 + lo : t0 + hi], s[s0 + lo : s0 + hi]))
-            if to_host:
-                _copy_pairs(pieces)
-                return []
-            return pieces
+                d[t0 : t0 + n].copy_(s[s0 : s0 + n])
+            return
         for s0, t0, n in runs:
             for lo, hi in _spans(n, 1, self.layout.token_layer_bytes):
                 dst[t0 + lo : t0 + hi].copy_(src[s0 + lo : s0 + hi], non_blocking=nb)
-        return pieces
 
     def _gather_pages(
         self,
