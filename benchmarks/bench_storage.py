@@ -33,6 +33,8 @@ The headline is 768 KiB pages (786,432 bytes: 24 layers, one 128-dim KV head,
 64 tokens, fp16), batches of 128 pages, one batch in flight, 512 MiB, 5
 rounds. The parameter space, 128 MiB per cell and 3 rounds: pages of 64 KiB,
 768 KiB and 2 MiB, batches of 1, 16 and 128, concurrency 1, 4 and 16.
+``--quick``: a 128 MiB headline and three points of the space a page size,
+16 MiB each; ``--smoke``: tiny sizes, one round, only to show that it runs.
 
 Hashing: `page_hashes` over random token ids, 64-token pages, against the
 per-token formulation (one ``sha256.update`` of 4 bytes per token).
@@ -572,6 +574,8 @@ def main(
                 configs = [(b, c) for b in BATCHES for c in CONCURRENCY]
                 if smoke:  # only that it runs: one point a page size
                     configs = [(16, 4)]
+                elif quick:  # a sample of the space: a diagonal of three points
+                    configs = [(1, 1), (16, 4), (128, 16)]
                 for label in PAGE_LAYOUTS:
                     rows += await _measure(
                         label, sizes.grid_mib, sizes.grid_rounds, configs, workdir / label

@@ -182,3 +182,27 @@ def test_spans_cut_whole_units_within_the_bound(monkeypatch: pytest.MonkeyPatch)
     assert _spans(40, 4, 100) == [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40)]
     assert _spans(3, 1, 5000) == [(0, 1), (1, 2), (2, 3)]  # at least one unit a span
     assert _spans(0, 4, 100) == []
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "caller-buffers"])
+def test_the_gpu_backup_branches_move_every_byte(
+    pattern: str, host_layout: str, stacked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The branches a CUDA pool takes (layer by layer, chunked runs), run here on CPU tensors."""
+    limit = LAYOUT.page_size * LAYOUT.token_layer_bytes
+    monkeypatch.setattr(engine_module, "MAX_TEMP_BYTES", limit)
+    host_pages, dev_pages = PATTERNS[pattern]
+    device = _device(stacked)
+    _fill_device(device)
+    host = HostKVPool(LAYOUT, SLOTS, host_layout=host_layout)
+    engine = CopyEngine(device, host)
+    h, d = _slots(host_pages), _slots(dev_pages)
+    plan = engine.plan(h, d)
+    engine.device = torch.device("cuda")  # only the branch choice reads it in a backup
+    want = _expect(device, d)
+    engine.backup_all_layers(plan)
+    for b in range(LAYOUT.num_buffers):
+        for layer in range(LAYOUT.num_layers):
+            assert torch.equal(host.layer(b, layer)[h], want[b][layer])
