@@ -1,30 +1,48 @@
-"""FileBackend throughput against one large sequential file, and page-key hashing speed.
+"""The file backend against a plain one-file-per-page store and one big sequential file.
 
-Pages are 64-token pages of a 16-layer model with 8 KV heads of 64 dims in
-fp16: 64 x 2 (K, V) x 16 x 8 x 64 x 2 B = 2 MiB a page, held in a real
-``page_first`` `HostKVPool` (two segments a page, written and read in place).
-The full run moves 1 GiB (512 pages), ``--quick`` 64 MiB (32 pages).
+Three stores move the same pages, held in real ``page_first`` `HostKVPool`
+buffers (two segments a page, K and V), in the same run and directory:
 
-In the same run and the same directory it times:
+- ``file backend``: tiercache's `FileBackend` with its default thread count,
+  ``batch_set`` then ``batch_get`` in batches of ``batch`` pages with
+  ``concurrency`` batch calls in flight. Every page carries its header and
+  XXH3-64 checksum, is published atomically (first writer wins), and every
+  read is verified.
+- ``one file per page``: what SGLang's ``HiCacheFile`` does, written into
+  this benchmark as the baseline: a flat directory, one file per page written
+  with ``numpy.tofile`` and read with one ``readinto`` per segment straight
+  into the destination page; no header, no checksum, no atomic publish. Its
+  batches run in the calling thread (``concurrency`` 1), or on
+  ``concurrency`` threads.
+- ``sequential``: the same bytes as one big file, written with ``write`` and
+  read back with ``readinto`` into the destination buffer.
 
-- ``sequential``: the same bytes written as one file (``write`` of the pool's
-  whole buffer) and read back with ``readinto`` into a preallocated buffer;
-- ``file backend``: ``batch_set`` of every page (batches of 32 pages, header
-  + CRC-32 + temporary file + link per page), then ``batch_get`` of every page
-  into a second pool (CRC check, one copy per page), at ``max_concurrency``
-  1, 4 and 16.
+When ``sglang`` is importable, SGLang's real ``HiCacheFile`` runs beside them
+(one contiguous tensor a page, as it stores them).
 
-Reads come from the page cache in both cases (the files were just written and
-the machine has the memory): this measures the backend's overhead, not the
-disk. Neither side fsyncs. Ratios are ``sequential seconds / backend seconds``
-(1.0 = as fast as one big file), best of ``repeats`` interleaved runs.
+Measurement: destination buffers are allocated and faulted in beforehand (as
+a host pool's are); ``sync`` runs between phases, outside the timings, so
+that writeback of one phase never lands in another; every store is written,
+synced, read, checked bit for bit, deleted and synced in each round, and the
+stores take turns (interleaved rounds, the order rotating each round). Reads
+come from the page cache: this measures each store's own cost, not the disk.
+Numbers are medians over the rounds; a ratio is ``baseline seconds / file
+backend seconds`` of those medians (above 1: the file backend is faster).
+
+The headline is 768 KiB pages (786,432 bytes: 24 layers, one 128-dim KV head,
+64 tokens, fp16), batches of 128 pages, one batch in flight, 512 MiB, 5
+rounds. The parameter space, 128 MiB per cell and 3 rounds: pages of 64 KiB,
+768 KiB and 2 MiB, batches of 1, 16 and 128, concurrency 1, 4 and 16.
+``--quick``: a 128 MiB headline and three points of the space a page size,
+16 MiB each; ``--smoke``: tiny sizes, one round, only to show that it runs.
 
 Hashing: `page_hashes` over random token ids, 64-token pages, against the
 per-token formulation (one ``sha256.update`` of 4 bytes per token).
 
-Results: ``benchmarks/results/storage.json`` and ``storage.png``.
+Results: ``benchmarks/results/storage.json``, ``storage.png`` (the headline
+ratios) and ``storage_grid.png`` (the parameter space).
 
-    python benchmarks/bench_storage.py [--quick]
+    python benchmarks/bench_storage.py [--quick | --smoke]
 """
 
 from __future__ import annotations
@@ -35,12 +53,17 @@ import hashlib
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +72,8 @@ if str(_ROOT) not in sys.path:
 
 from benchmarks.common import (  # noqa: E402
     RESULTS_DIR,
+    _pyplot,
+    _save,
     headline,
     machine_info,
     plot_bars,
@@ -56,13 +81,35 @@ from benchmarks.common import (  # noqa: E402
     write_result,
 )
 from tiercache.index import StorageNamespace, page_hashes  # noqa: E402
-from tiercache.memory import HostKVPool, KVLayout  # noqa: E402
-from tiercache.storage.file import FileBackend  # noqa: E402
+from tiercache.memory import HostKVPool, KVLayout, PageBuffer  # noqa: E402
+from tiercache.storage.file import FileBackend, default_concurrency  # noqa: E402
 
-LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, dtype=torch.float16, page_size=64)
+#: Page sizes of the parameter space, by label.
+PAGE_LAYOUTS = {
+    "64 KiB": KVLayout(num_layers=8, num_kv_heads=1, head_dim=128, page_size=16),
+    "768 KiB": KVLayout(num_layers=24, num_kv_heads=1, head_dim=128, page_size=64),
+    "2 MiB": KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, page_size=64),
+}
+BATCHES = (1, 16, 128)
 CONCURRENCY = (1, 4, 16)
-BATCH_PAGES = 32
-TARGETS = {"write": 0.7, "read": 0.8, "hash": 5.0}
+HEADLINE_CELL = ("768 KiB", 128, 1)
+HASH_LAYOUT = PAGE_LAYOUTS["2 MiB"]
+TARGETS = {"vs_plain": 1.2, "seq_write": 0.7, "seq_read": 0.8, "hash": 5.0}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    headline_mib: int
+    headline_rounds: int
+    grid_mib: int
+    grid_rounds: int
+
+
+SIZES = {
+    "full": Sizes(512, 5, 128, 3),
+    "quick": Sizes(128, 3, 16, 3),
+    "smoke": Sizes(4, 1, 2, 1),
+}
 
 
 def _fill(pool: HostKVPool, seed: int) -> None:
@@ -73,6 +120,294 @@ def _fill(pool: HostKVPool, seed: int) -> None:
     for start in range(0, flat.numel(), block.numel()):
         n = min(block.numel(), flat.numel() - start)
         flat[start : start + n] = block[:n]
+
+
+def _sync() -> None:
+    os.sync()
+
+
+# --- the one-file-per-page baseline ---------------------------------------------------------
+
+
+class PlainFileStore:
+    """One file per page in a flat directory: ``tofile`` to write, ``readinto`` to read.
+
+    What SGLang's ``HiCacheFile`` does, without its key bookkeeping: no
+    header, no checksum, no temporary file (a crash can leave a torn page
+    under its real name), no capacity bound. A batch runs in the calling
+    thread; ``concurrency`` batches run on that many threads.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, key + ".bin")
+
+    def batch_set(self, keys: Sequence[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        out = []
+        for k, page in zip(keys, pages, strict=True):
+            path = self._path(k)
+            if os.path.exists(path):
+                out.append(True)
+                continue
+            with open(path, "wb") as f:
+                for seg in page.segments:
+                    np.frombuffer(seg, dtype=np.uint8).tofile(f)
+            out.append(True)
+        return out
+
+    def batch_get(self, keys: Sequence[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        out = []
+        for k, page in zip(keys, pages, strict=True):
+            try:
+                with open(self._path(k), "rb", buffering=0) as f:
+                    ok = all(f.readinto(seg) == seg.nbytes for seg in page.segments)
+            except FileNotFoundError:
+                ok = False
+            out.append(ok)
+        return out
+
+    def clear(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+
+def _sglang_store(root: Path) -> tuple[Any | None, str]:
+    """SGLang's real ``HiCacheFile`` under ``root``, or ``None`` and why not."""
+    try:
+        from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found]
+            HiCacheFile,
+            HiCacheStorageConfig,
+        )
+    except Exception as e:  # not installed, or an import error of its own
+        return None, f"sglang is not importable: {type(e).__name__}: {e}"
+    try:
+        config = HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, is_mla_model=False, is_page_first_layout=True, model_name=None
+        )
+        root.mkdir(parents=True, exist_ok=True)
+        return HiCacheFile(config, file_path=str(root)), ""
+    except Exception as e:
+        return None, f"HiCacheFile could not be constructed: {type(e).__name__}: {e}"
+
+
+# --- one cell ----------------------------------------------------------------------------
+
+
+def _batches(n: int, batch: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + batch, n)) for lo in range(0, n, batch)]
+
+
+def _threaded(fn: Callable[[int, int], None], n: int, batch: int, concurrency: int) -> None:
+    """Run ``fn(lo, hi)`` for each batch: inline at concurrency 1, else on that many threads."""
+    spans = _batches(n, batch)
+    if concurrency == 1:
+        for lo, hi in spans:
+            fn(lo, hi)
+        return
+    with ThreadPoolExecutor(concurrency) as ex:
+        for _ in ex.map(lambda s: fn(*s), spans):
+            pass
+
+
+async def _in_flight(
+    fn: Callable[[int, int], Coroutine[Any, Any, None]], n: int, batch: int, concurrency: int
+) -> None:
+    """Await ``fn(lo, hi)`` for each batch, ``concurrency`` calls in flight."""
+    it = iter(_batches(n, batch))
+
+    async def worker() -> None:
+        for lo, hi in it:
+            await fn(lo, hi)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+class Cell:
+    """One point of the parameter space: pools, keys and the stores, timed round by round."""
+
+    def __init__(self, label: str, mib: int, workdir: Path, with_sglang: bool) -> None:
+        self.label = label
+        layout = PAGE_LAYOUTS[label]
+        self.layout = layout
+        self.pages = max(4, mib * 2**20 // layout.page_bytes)
+        slots = self.pages * layout.page_size
+        self.src = HostKVPool(layout, slots, host_layout="page_first", pin_memory=False)
+        self.dst = HostKVPool(layout, slots, host_layout="page_first", pin_memory=False)
+        _fill(self.src, 1)
+        self.dst.buffer.zero_()  # faulted in before any timing
+        idx = torch.arange(slots, dtype=torch.int64)
+        self.src_pages = self.src.page_buffers(idx)
+        self.dst_pages = self.dst.page_buffers(idx)
+        ns = StorageNamespace.for_layout(layout, "page_first", model="bench")
+        self.keys = ns.keys(page_hashes(list(range(slots)), layout.page_size))
+        self.nbytes = self.pages * layout.page_bytes
+        self.src_bytes = memoryview(self.src.buffer.view(-1).view(torch.uint8).numpy())
+        self.dst_bytes = memoryview(self.dst.buffer.view(-1).view(torch.uint8).numpy())
+        self.workdir = workdir
+        self.plain = PlainFileStore(workdir / "plain")
+        self.sglang: Any | None = None
+        self.sglang_reason = "not requested"
+        if with_sglang:
+            self.sglang, self.sglang_reason = _sglang_store(workdir / "sglang")
+        if self.sglang is not None:
+            pb = layout.page_bytes
+            self.flat_src = torch.empty((self.pages, pb), dtype=torch.uint8)
+            self.flat_dst = torch.zeros((self.pages, pb), dtype=torch.uint8)
+            for i, p in enumerate(self.src_pages):
+                self.flat_src[i].numpy()[:] = np.frombuffer(p.tobytes(), dtype=np.uint8)
+        self.times: dict[str, list[float]] = {}
+
+    def _record(self, name: str, seconds: float) -> None:
+        self.times.setdefault(name, []).append(seconds)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.times[name])
+
+    def _check(self, what: str) -> None:
+        if not torch.equal(self.src.buffer.view(torch.uint8), self.dst.buffer.view(torch.uint8)):
+            raise AssertionError(f"{what}: the pages read back differ from those written")
+        self.dst.buffer.zero_()
+
+    async def sequential(self) -> None:
+        path = self.workdir / "sequential.bin"
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        await loop.run_in_executor(None, _sequential_write, path, self.src_bytes)
+        self._record("seq_write", time.perf_counter() - t0)
+        await loop.run_in_executor(None, _sync)
+        t0 = time.perf_counter()
+        await loop.run_in_executor(None, _sequential_read, path, self.dst_bytes)
+        self._record("seq_read", time.perf_counter() - t0)
+        self._check("sequential")
+        await loop.run_in_executor(None, os.unlink, path)
+        await loop.run_in_executor(None, _sync)
+
+    async def file_backend(self, batch: int, concurrency: int, tag: str) -> None:
+        loop = asyncio.get_running_loop()
+        keys, src, dst = self.keys, self.src_pages, self.dst_pages
+        async with await FileBackend.open(self.workdir / "tiercache") as backend:
+
+            async def put(lo: int, hi: int) -> None:
+                if not all(await backend.batch_set(keys[lo:hi], src[lo:hi])):
+                    raise AssertionError("file backend: a page was not stored")
+
+            async def get(lo: int, hi: int) -> None:
+                if not all(await backend.batch_get(keys[lo:hi], dst[lo:hi])):
+                    raise AssertionError("file backend: a page did not arrive")
+
+            t0 = time.perf_counter()
+            await _in_flight(put, self.pages, batch, concurrency)
+            self._record(f"tier_write{tag}", time.perf_counter() - t0)
+            await loop.run_in_executor(None, _sync)
+            t0 = time.perf_counter()
+            await _in_flight(get, self.pages, batch, concurrency)
+            self._record(f"tier_read{tag}", time.perf_counter() - t0)
+            self._check("file backend")
+            await backend.clear()
+        await loop.run_in_executor(None, _sync)
+
+    def plain_store(self, batch: int, concurrency: int, tag: str) -> None:
+        keys, src, dst, store = self.keys, self.src_pages, self.dst_pages, self.plain
+
+        def put(lo: int, hi: int) -> None:
+            store.batch_set(keys[lo:hi], src[lo:hi])
+
+        def get(lo: int, hi: int) -> None:
+            if not all(store.batch_get(keys[lo:hi], dst[lo:hi])):
+                raise AssertionError("one file per page: a page did not arrive")
+
+        t0 = time.perf_counter()
+        _threaded(put, self.pages, batch, concurrency)
+        self._record(f"plain_write{tag}", time.perf_counter() - t0)
+        _sync()
+        t0 = time.perf_counter()
+        _threaded(get, self.pages, batch, concurrency)
+        self._record(f"plain_read{tag}", time.perf_counter() - t0)
+        self._check("one file per page")
+        store.clear()
+        _sync()
+
+    def sglang_store(self, batch: int, concurrency: int, tag: str) -> None:
+        store = self.sglang
+        assert store is not None
+        keys = [f"bench{tag}-{k}" for k in self.keys]
+        src = [self.flat_src[i] for i in range(self.pages)]
+        dst = [self.flat_dst[i] for i in range(self.pages)]
+
+        def put(lo: int, hi: int) -> None:
+            store.batch_set(keys[lo:hi], values=src[lo:hi])
+
+        def get(lo: int, hi: int) -> None:
+            got = store.batch_get(keys[lo:hi], target_locations=dst[lo:hi])
+            if got is None or any(g is None for g in got):
+                raise AssertionError("HiCacheFile: a page did not arrive")
+
+        t0 = time.perf_counter()
+        _threaded(put, self.pages, batch, concurrency)
+        self._record(f"sglang_write{tag}", time.perf_counter() - t0)
+        _sync()
+        t0 = time.perf_counter()
+        _threaded(get, self.pages, batch, concurrency)
+        self._record(f"sglang_read{tag}", time.perf_counter() - t0)
+        if not torch.equal(self.flat_src, self.flat_dst):
+            raise AssertionError("HiCacheFile: the pages read back differ from those written")
+        self.flat_dst.zero_()
+        shutil.rmtree(self.workdir / "sglang", ignore_errors=True)
+        (self.workdir / "sglang").mkdir()
+        _sync()
+
+    async def round(self, configs: Sequence[tuple[int, int]], turn: int) -> None:
+        """One interleaved round: the sequential file, then each config's stores, rotated."""
+        await self.sequential()
+        for batch, conc in configs:
+            tag = f"_b{batch}_c{conc}"
+            stores: list[Callable[[], Coroutine[Any, Any, None]]] = [
+                lambda b=batch, c=conc, t=tag: self.file_backend(b, c, t),
+                lambda b=batch, c=conc, t=tag: _as_async(self.plain_store, b, c, t),
+            ]
+            if self.sglang is not None:
+                stores.append(lambda b=batch, c=conc, t=tag: _as_async(self.sglang_store, b, c, t))
+            k = turn % len(stores)
+            for run in stores[k:] + stores[:k]:
+                await run()
+
+    def row(self, batch: int, conc: int) -> dict[str, Any]:
+        tag = f"_b{batch}_c{conc}"
+        gb = self.nbytes / 1e9
+        m = self.median
+        row: dict[str, Any] = {
+            "page": self.label,
+            "page_bytes": self.layout.page_bytes,
+            "pages": self.pages,
+            "batch": batch,
+            "concurrency": conc,
+            "rounds": len(self.times[f"tier_write{tag}"]),
+            "file_write_gbps": gb / m(f"tier_write{tag}"),
+            "file_read_gbps": gb / m(f"tier_read{tag}"),
+            "plain_write_gbps": gb / m(f"plain_write{tag}"),
+            "plain_read_gbps": gb / m(f"plain_read{tag}"),
+            "seq_write_gbps": gb / m("seq_write"),
+            "seq_read_gbps": gb / m("seq_read"),
+            "write_vs_plain": m(f"plain_write{tag}") / m(f"tier_write{tag}"),
+            "read_vs_plain": m(f"plain_read{tag}") / m(f"tier_read{tag}"),
+            "write_vs_seq": m("seq_write") / m(f"tier_write{tag}"),
+            "read_vs_seq": m("seq_read") / m(f"tier_read{tag}"),
+        }
+        if f"sglang_write{tag}" in self.times:
+            row.update(
+                sglang_write_gbps=gb / m(f"sglang_write{tag}"),
+                sglang_read_gbps=gb / m(f"sglang_read{tag}"),
+                write_vs_sglang=m(f"sglang_write{tag}") / m(f"tier_write{tag}"),
+                read_vs_sglang=m(f"sglang_read{tag}") / m(f"tier_read{tag}"),
+            )
+        return row
+
+
+async def _as_async(fn: Callable[[int, int, str], None], b: int, c: int, t: str) -> None:
+    fn(b, c, t)
 
 
 def _sequential_write(path: Path, data: memoryview) -> None:
@@ -92,79 +427,22 @@ def _sequential_read(path: Path, into: memoryview) -> None:
             n += got
 
 
-async def _storage(quick: bool, repeats: int, workdir: Path) -> dict[str, Any]:
-    pages = 32 if quick else 512
-    src = HostKVPool(LAYOUT, pages * LAYOUT.page_size, host_layout="page_first", pin_memory=False)
-    dst = HostKVPool(LAYOUT, pages * LAYOUT.page_size, host_layout="page_first", pin_memory=False)
-    _fill(src, 1)
-    idx = torch.arange(pages * LAYOUT.page_size, dtype=torch.int64)
-    src_pages, dst_pages = src.page_buffers(idx), dst.page_buffers(idx)
-    ns = StorageNamespace.for_layout(LAYOUT, "page_first", model="bench")
-    keys = ns.keys(page_hashes(list(range(pages * LAYOUT.page_size)), LAYOUT.page_size))
-    total = pages * LAYOUT.page_bytes
-    src_bytes = memoryview(src.buffer.view(-1).view(torch.uint8).numpy())
-    dst_bytes = memoryview(dst.buffer.view(-1).view(torch.uint8).numpy())
-    loop = asyncio.get_running_loop()
+async def _measure(
+    label: str, mib: int, rounds: int, configs: Sequence[tuple[int, int]], workdir: Path
+) -> list[dict[str, Any]]:
+    cell = Cell(label, mib, workdir, with_sglang=True)
+    try:
+        for turn in range(rounds):
+            await cell.round(configs, turn)
+        rows = [cell.row(b, c) for b, c in configs]
+        for r in rows:
+            r["sglang"] = cell.sglang_reason or "ran"
+        return rows
+    finally:
+        del cell
 
-    best: dict[str, float] = {}
 
-    def record(name: str, seconds: float) -> None:
-        best[name] = min(best.get(name, float("inf")), seconds)
-
-    seq_path = workdir / "sequential.bin"
-    for _ in range(repeats):
-        # Baseline: one big file, written then read back, in the same directory.
-        t0 = time.perf_counter()
-        await loop.run_in_executor(None, _sequential_write, seq_path, src_bytes)
-        record("seq_write", time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        await loop.run_in_executor(None, _sequential_read, seq_path, dst_bytes)
-        record("seq_read", time.perf_counter() - t0)
-        await loop.run_in_executor(None, os.unlink, seq_path)
-        for c in CONCURRENCY:
-            root = workdir / f"store-c{c}"
-            async with await FileBackend.open(root, max_concurrency=c) as backend:
-                t0 = time.perf_counter()
-                for i in range(0, pages, BATCH_PAGES):
-                    ok = await backend.batch_set(
-                        keys[i : i + BATCH_PAGES], src_pages[i : i + BATCH_PAGES]
-                    )
-                    assert all(ok)
-                record(f"write_c{c}", time.perf_counter() - t0)
-                dst.buffer.zero_()
-                t0 = time.perf_counter()
-                for i in range(0, pages, BATCH_PAGES):
-                    ok = await backend.batch_get(
-                        keys[i : i + BATCH_PAGES], dst_pages[i : i + BATCH_PAGES]
-                    )
-                    assert all(ok)
-                record(f"read_c{c}", time.perf_counter() - t0)
-                assert torch.equal(src.buffer.view(torch.int16), dst.buffer.view(torch.int16))
-                await backend.clear()
-    gib = total / 2**30
-    rows = []
-    for c in CONCURRENCY:
-        rows.append(
-            {
-                "concurrency": c,
-                "write_gib_s": gib / best[f"write_c{c}"],
-                "read_gib_s": gib / best[f"read_c{c}"],
-                "write_ratio": best["seq_write"] / best[f"write_c{c}"],
-                "read_ratio": best["seq_read"] / best[f"read_c{c}"],
-            }
-        )
-    return {
-        "pages": pages,
-        "page_bytes": LAYOUT.page_bytes,
-        "total_bytes": total,
-        "batch_pages": BATCH_PAGES,
-        "sequential": {
-            "write_gib_s": gib / best["seq_write"],
-            "read_gib_s": gib / best["seq_read"],
-        },
-        "file_backend": rows,
-        "seconds": best,
-    }
+# --- hashing ---------------------------------------------------------------------------------
 
 
 def _per_token(tokens: list[int], page_size: int) -> list[str]:
@@ -188,131 +466,235 @@ def _hashing(quick: bool, repeats: int) -> dict[str, Any]:
     fast = slow = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        a = page_hashes(tokens, LAYOUT.page_size)
+        a = page_hashes(tokens, HASH_LAYOUT.page_size)
         fast = min(fast, time.perf_counter() - t0)
         t0 = time.perf_counter()
-        b = _per_token(tokens, LAYOUT.page_size)
+        b = _per_token(tokens, HASH_LAYOUT.page_size)
         slow = min(slow, time.perf_counter() - t0)
         assert a == b
     return {
         "tokens": n,
-        "page_size": LAYOUT.page_size,
+        "page_size": HASH_LAYOUT.page_size,
         "page_hashes_mtok_s": n / fast / 1e6,
         "per_token_mtok_s": n / slow / 1e6,
         "ratio": slow / fast,
     }
 
 
-def main(quick: bool = False, out_dir: Path = RESULTS_DIR) -> dict[str, Any]:
-    """Run the storage benchmark; write ``<out_dir>/storage.json`` (and ``.png``); return the result."""
-    repeats = 2 if quick else 3
-    workdir = Path(tempfile.mkdtemp(prefix="tiercache-bench-storage-"))
+# --- report ----------------------------------------------------------------------------------
+
+GRID_COLUMNS = [
+    "page",
+    "batch",
+    "conc",
+    "file write GB/s",
+    "file read GB/s",
+    "1-file/page write GB/s",
+    "1-file/page read GB/s",
+    "seq write GB/s",
+    "seq read GB/s",
+    "write x 1-file/page",
+    "read x 1-file/page",
+    "write x seq",
+    "read x seq",
+]
+
+
+def _grid_table(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "columns": GRID_COLUMNS,
+        "rows": [
+            [
+                r["page"],
+                r["batch"],
+                r["concurrency"],
+                r["file_write_gbps"],
+                r["file_read_gbps"],
+                r["plain_write_gbps"],
+                r["plain_read_gbps"],
+                r["seq_write_gbps"],
+                r["seq_read_gbps"],
+                r["write_vs_plain"],
+                r["read_vs_plain"],
+                r["write_vs_seq"],
+                r["read_vs_seq"],
+            ]
+            for r in rows
+        ],
+    }
+
+
+def _plot_grid(rows: Sequence[dict[str, Any]], out_dir: Path) -> Path | None:
+    """One panel per page size: file backend / one-file-per-page, write and read, per cell."""
     try:
-        storage = asyncio.run(_storage(quick, repeats, workdir))
+        plt = _pyplot()
+    except ImportError:
+        return None
+    labels = [lbl for lbl in PAGE_LAYOUTS if any(r["page"] == lbl for r in rows)]
+    fig, axes = plt.subplots(1, len(labels), figsize=(5.2 * len(labels), 4.2), squeeze=False)
+    for ax, label in zip(axes[0], labels, strict=True):
+        sub = [r for r in rows if r["page"] == label]
+        xs = range(len(sub))
+        ax.bar([x - 0.2 for x in xs], [r["write_vs_plain"] for r in sub], 0.4, label="write")
+        ax.bar([x + 0.2 for x in xs], [r["read_vs_plain"] for r in sub], 0.4, label="read")
+        ax.axhline(TARGETS["vs_plain"], color="k", linestyle="--", linewidth=1, label="target")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(
+            [f"b{r['batch']} c{r['concurrency']}" for r in sub], rotation=45, fontsize=8
+        )
+        ax.set_title(f"{label} pages")
+        ax.set_ylabel("file backend / one file per page")
+        ax.legend(fontsize=8)
+    fig.suptitle("FileBackend over the parameter space (b = batch pages, c = batches in flight)")
+    fig.tight_layout()
+    return _save(fig, plt, "storage_grid", out_dir)
+
+
+def main(
+    quick: bool = False, out_dir: Path = RESULTS_DIR, *, smoke: bool = False, grid: bool = True
+) -> dict[str, Any]:
+    """Run the storage benchmark; write ``storage.json`` and its plots; return the result."""
+    mode = "smoke" if smoke else "quick" if quick else "full"
+    sizes = SIZES[mode]
+    workdir = Path(tempfile.mkdtemp(prefix="tiercache-bench-storage-"))
+    head_label, head_batch, head_conc = HEADLINE_CELL
+    try:
+
+        async def run() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+            (head,) = await _measure(
+                head_label,
+                sizes.headline_mib,
+                sizes.headline_rounds,
+                [(head_batch, head_conc)],
+                workdir / "headline",
+            )
+            rows: list[dict[str, Any]] = []
+            if grid:
+                configs = [(b, c) for b in BATCHES for c in CONCURRENCY]
+                if smoke:  # only that it runs: one point a page size
+                    configs = [(16, 4)]
+                elif quick:  # a sample of the space: a diagonal of three points
+                    configs = [(1, 1), (16, 4), (128, 16)]
+                for label in PAGE_LAYOUTS:
+                    rows += await _measure(
+                        label, sizes.grid_mib, sizes.grid_rounds, configs, workdir / label
+                    )
+            return head, rows
+
+        head, rows = asyncio.run(run())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    hashing = _hashing(quick, repeats)
-    rows = storage["file_backend"]
-    best_write = max(r["write_ratio"] for r in rows)
-    best_read = max(r["read_ratio"] for r in rows)
-    table_rows: list[list[object]] = [
-        [
-            "sequential file",
-            "-",
-            storage["sequential"]["write_gib_s"],
-            storage["sequential"]["read_gib_s"],
-            1.0,
-            1.0,
-        ]
+    hashing = _hashing(quick or smoke, 1 if smoke else 3)
+    heads = [
+        headline(
+            "file write / one-file-per-page write (768 KiB pages, batch 128)",
+            head["write_vs_plain"],
+            TARGETS["vs_plain"],
+            unit="x",
+        ),
+        headline(
+            "file read / one-file-per-page read (768 KiB pages, batch 128, verified)",
+            head["read_vs_plain"],
+            TARGETS["vs_plain"],
+            unit="x",
+        ),
+        headline(
+            "file write / sequential write (768 KiB pages, batch 128)",
+            head["write_vs_seq"],
+            TARGETS["seq_write"],
+            unit="x",
+        ),
+        headline(
+            "file read / sequential read (768 KiB pages, batch 128)",
+            head["read_vs_seq"],
+            TARGETS["seq_read"],
+            unit="x",
+        ),
     ]
-    table_rows += [
-        [
-            "file backend",
-            r["concurrency"],
-            r["write_gib_s"],
-            r["read_gib_s"],
-            r["write_ratio"],
-            r["read_ratio"],
+    if "write_vs_sglang" in head:
+        heads += [
+            headline(
+                f"file {op} / SGLang HiCacheFile {op} (768 KiB pages, batch 128)",
+                head[f"{op}_vs_sglang"],
+                TARGETS["vs_plain"],
+                unit="x",
+            )
+            for op in ("write", "read")
         ]
-        for r in rows
+    heads.append(
+        headline("page_hashes / per-token hashing", hashing["ratio"], TARGETS["hash"], unit="x")
+    )
+    head_table_rows: list[list[object]] = [
+        ["sequential file", head["seq_write_gbps"], head["seq_read_gbps"]],
+        ["one file per page", head["plain_write_gbps"], head["plain_read_gbps"]],
     ]
-    table = {
-        "columns": [
-            "what",
-            "concurrency",
-            "write GiB/s",
-            "read GiB/s",
-            "write ratio",
-            "read ratio",
-        ],
-        "rows": table_rows,
-    }
+    if "sglang_write_gbps" in head:
+        head_table_rows.append(
+            ["SGLang HiCacheFile", head["sglang_write_gbps"], head["sglang_read_gbps"]]
+        )
+    head_table_rows.append(["file backend", head["file_write_gbps"], head["file_read_gbps"]])
     result: dict[str, Any] = {
         "benchmark": "storage",
         "quick": quick,
+        "mode": mode,
         "machine": machine_info(),
-        "layout": LAYOUT.describe() + ":page_first",
+        "threads": default_concurrency(),
         "notes": (
-            "2 MiB pages (64 tokens x 16 layers x 8 heads x 64 dims fp16, K and V) from a page_first "
-            "HostKVPool; no fsync on either side; reads served from the page cache; ratio = sequential "
-            "one-file seconds / backend seconds, best of interleaved repeats; hash ratio = per-token "
-            "sha256 updates seconds / page_hashes seconds."
+            "page_first HostKVPool pages; medians of interleaved rounds; destination buffers "
+            "faulted in beforehand; sync between phases, outside the timings; reads from the "
+            "page cache; ratio = baseline median seconds / file backend median seconds. "
+            f"SGLang HiCacheFile: {head['sglang']}."
         ),
-        "storage": storage,
+        "headline_cell": head,
+        "grid": rows,
+        "sizes": sizes.__dict__,
         "hashing": hashing,
-        "targets": {
-            "write_ratio": TARGETS["write"],
-            "read_ratio": TARGETS["read"],
-            "hash_ratio": TARGETS["hash"],
+        "targets": TARGETS,
+        "headline": heads,
+        "table": {
+            "columns": ["store (headline cell)", "write GB/s", "read GB/s"],
+            "rows": head_table_rows,
         },
-        "headline": [
-            headline(
-                "file write / sequential write (best concurrency)",
-                best_write,
-                TARGETS["write"],
-                unit="x",
-            ),
-            headline(
-                "file read / sequential read (best concurrency)",
-                best_read,
-                TARGETS["read"],
-                unit="x",
-            ),
-            headline(
-                "page_hashes / per-token hashing", hashing["ratio"], TARGETS["hash"], unit="x"
-            ),
-        ],
-        "table": table,
     }
+    if rows:
+        result["grid_table"] = _grid_table(rows)
     write_result("storage", result, out_dir)
-    print_table(table["columns"], table["rows"])
+    print_table(result["table"]["columns"], result["table"]["rows"])
+    if rows:
+        print_table(result["grid_table"]["columns"], result["grid_table"]["rows"])
     print(
-        f"page_hashes: {hashing['page_hashes_mtok_s']:.1f} Mtok/s, per-token: {hashing['per_token_mtok_s']:.2f} "
-        f"Mtok/s, ratio {hashing['ratio']:.1f}x (target >= {TARGETS['hash']:g})"
+        f"page_hashes: {hashing['page_hashes_mtok_s']:.1f} Mtok/s, per-token: "
+        f"{hashing['per_token_mtok_s']:.2f} Mtok/s, ratio {hashing['ratio']:.1f}x"
     )
-    for h in result["headline"]:
+    for h in heads:
         print(
-            f"{h['name']}: {h['value']:.2f} (target {h['op']} {h['target']:g}) {'ok' if h['passed'] else 'MISSED'}"
+            f"{h['name']}: {h['value']:.2f} (target {h['op']} {h['target']:g}) "
+            f"{'ok' if h['passed'] else 'MISSED'}"
         )
     plot_bars(
         "storage",
-        [f"c={r['concurrency']}" for r in rows],
+        ["vs one file per page", "vs sequential file"],
         {
-            "write ratio": [r["write_ratio"] for r in rows],
-            "read ratio": [r["read_ratio"] for r in rows],
+            "write": [head["write_vs_plain"], head["write_vs_seq"]],
+            "read": [head["read_vs_plain"], head["read_vs_seq"]],
         },
-        title=f"FileBackend vs one sequential file ({storage['total_bytes'] >> 20} MiB of 2 MiB pages)",
-        ylabel="backend throughput / sequential throughput",
+        title=f"FileBackend, 768 KiB pages, batch 128 ({head['pages']} pages, {mode})",
+        ylabel="file backend throughput / baseline",
         out_dir=out_dir,
         hline=1.0,
     )
+    if rows:
+        _plot_grid(rows, out_dir)
     return result
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="smaller volumes, 3 rounds")
+    parser.add_argument("--smoke", action="store_true", help="tiny volumes, one round")
     parser.add_argument(
-        "--quick", action="store_true", help="64 MiB instead of 1 GiB, fewer repeats"
+        "--no-grid", action="store_true", help="only the headline cell, not the parameter space"
     )
     args = parser.parse_args()
-    main(quick=args.quick)
+    main(quick=args.quick, smoke=args.smoke, grid=not args.no_grid)

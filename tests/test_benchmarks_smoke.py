@@ -88,6 +88,40 @@ def test_runner_writes_transfer_and_controller_results(tmp_path: Path) -> None:
         assert isinstance(h["passed"], bool)
 
 
+@pytest.mark.timeout(120)
+def test_runner_writes_storage_results(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--smoke",
+            "--only",
+            "storage",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    storage = json.loads((tmp_path / "storage.json").read_text())
+    head = storage["headline_cell"]
+    assert (head["page"], head["batch"], head["concurrency"]) == ("768 KiB", 128, 1)
+    for key in ("write_vs_plain", "read_vs_plain", "write_vs_seq", "read_vs_seq"):
+        assert _positive(head[key]), key
+    assert {r["page"] for r in storage["grid"]} == {"64 KiB", "768 KiB", "2 MiB"}
+    for r in storage["grid"]:
+        assert _positive(r["file_read_gbps"]) and _positive(r["plain_write_gbps"]), r
+    names = [h["name"] for h in storage["headline"]]
+    assert any("one-file-per-page read" in n for n in names)
+    assert any("sequential write" in n for n in names)
+    assert (tmp_path / "storage.png").stat().st_size > 0
+    assert (tmp_path / "storage_grid.png").stat().st_size > 0
+
+
 @pytest.mark.timeout(150)
 def test_runner_writes_e2e_and_scaling_results(tmp_path: Path) -> None:
     proc = subprocess.run(

@@ -19,15 +19,14 @@ from tests.storage.storage_helpers import FORMAT, host_pool, keys, random_page, 
 from tiercache.errors import ConfigError, InvalidInputError
 from tiercache.memory import PageBuffer
 from tiercache.storage import file as file_module
-from tiercache.storage.file import FileBackend, shard_dirs
+from tiercache.storage.file import FileBackend, shard_dir
 from tiercache.storage.format import pack_page
 
 LOGGER = "tiercache.storage.file"
 
 
 def page_path(root: Path, key: str) -> Path:
-    a, b = shard_dirs(key)
-    return root / a / b / f"{key}.page"
+    return root / shard_dir(key) / f"{key}.page"
 
 
 def all_files(root: Path) -> list[Path]:
@@ -142,7 +141,10 @@ async def test_damaged_file_is_a_logged_miss_and_is_removed(
         before = dst[0].tobytes()
         with caplog.at_level(logging.WARNING, logger=LOGGER):
             assert await b.batch_get(ks, dst) == [False, True]
-        assert dst[0].tobytes() == before  # never wrong bytes
+        if damage is not _flip:
+            assert dst[0].tobytes() == before  # a bad header never touches the page
+        # A flipped payload byte is found after the read into the page (one copy): the
+        # page is reported as not arrived, so its slot is never published.
         assert dst[1].tobytes() == src[1].tobytes()
         assert "failed its checks" in caplog.text
         assert not await asyncio.to_thread(page_path(root, ks[0]).exists)
@@ -233,7 +235,7 @@ async def test_files_and_directories_are_private(tmp_path: Path) -> None:
         (k,) = keys(1)
         await b.batch_set([k], [random_page()])
     path = page_path(root, k)
-    for d in (root, path.parent, path.parent.parent):
+    for d in (root, path.parent):
         assert stat.S_IMODE((await asyncio.to_thread(os.stat, d)).st_mode) == 0o700
     assert stat.S_IMODE((await asyncio.to_thread(os.stat, path)).st_mode) == 0o600
 
@@ -266,10 +268,10 @@ async def test_a_failed_write_is_false_counted_and_leaves_no_temp_file(
     root = tmp_path / "store"
     async with await FileBackend.open(root) as b:
         ks = keys(2)
-        while shard_dirs(ks[1]) == shard_dirs(ks[0]):
+        while shard_dir(ks[1]) == shard_dir(ks[0]):
             ks[1] = keys(1)[0]
         blocked = page_path(root, ks[0]).parent
-        await asyncio.to_thread(blocked.parent.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(blocked.rmdir)  # the backend made every shard when it started
         await asyncio.to_thread(blocked.write_bytes, b"not a directory")
         with caplog.at_level(logging.WARNING, logger=LOGGER):
             result = await b.batch_set(ks, [random_page(), random_page()])

@@ -52,8 +52,11 @@ class StorageBackend(AsyncResource):
 
     Failures raise `StorageError` subclasses, which callers treat as a miss.
     A page that fails its checks when read (corrupt, truncated, other format,
-    other key) is a miss: ``batch_get`` reports it as not arrived, leaves the
-    target untouched, and the backend removes it.
+    other key) is a miss: ``batch_get`` reports it as not arrived and the
+    backend removes it. A missing page, or one whose header fails, leaves the
+    target untouched; a backend that reads straight into the target (the file
+    backend) may have written a page whose payload checksum then failed, so a
+    caller never uses a target reported as not arrived.
     """
 
     #: URL scheme / registry name of the backend class, e.g. ``"file"``.
@@ -72,8 +75,9 @@ class StorageBackend(AsyncResource):
         """Read each key's bytes into the matching page buffer.
 
         Returns:
-            Per page, whether it arrived. A page that did not arrive (missing,
-            or failing its checks) leaves its buffer untouched.
+            Per page, whether it arrived. The buffer of a page that did not
+            arrive must not be used: a missing page or a failed header leaves
+            it untouched, a failed payload checksum may have overwritten it.
         """
 
     @abstractmethod

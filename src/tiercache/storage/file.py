@@ -3,44 +3,68 @@
 Layout on disk::
 
     root/
-      3f/9a/<key>.page        a page: format.py header + payload
-      3f/9a/.<key>.<pid>.<random>.tmp
-                              a write in progress (or left by a crash)
+      3f/<key>.page           a page: format.py header + payload
+      3f/.<key>.<pid>.<random>.tmp
+                              a write in progress, where O_TMPFILE is missing
+                              (or left by a crash)
 
-The two shard levels are the first four hex digits of the page-hash part of
-the key (the part after the last ``-``), so 65,536 directories share the pages
-evenly and no directory holds millions of files. Keys pass `validate_key`
+The shard is the first two hex digits of the page-hash part of the key (the
+part after the last ``-``): 256 directories share the pages evenly (a
+million pages is about 4,000 files a directory, which ext4 and xfs index by
+name). All 256 are created when the backend starts, so a write never pays
+for a ``mkdir`` (a fresh two-level tree of 65,536 directories used to cost
+more than the page's own bytes). Format version 1 stored pages two levels
+deep (``3f/9a/<key>.page``); the scan at start removes those files (they are
+stale, see `tiercache.storage.format`) and their empty directories. Keys pass `validate_key`
 first, so a key can never name a path outside its shard.
 
-**Atomic writes.** A page is written to a unique temporary file in its final
-directory (optionally fsynced), then published with ``os.link(tmp, final)``,
-which fails if ``final`` exists: of two writers racing on one key (threads or
-processes), exactly one publishes and the other sees ``FileExistsError`` and
-reports the key as stored. The key's first value is never replaced, and a
-crash never leaves a torn file under a real name: a reader sees either no file
-or a complete one. Where the filesystem refuses hard links, ``os.replace`` is
-the fallback; there the race is last-writer-wins, harmless because two
-writers of one key store the same tokens' KV. An existence check before
-writing skips the work for pages already stored. Leftover temporary files are
-never read as pages; opening the backend removes those older than ten minutes.
+**Atomic writes.** A page is written to an unnamed file in its final
+directory (``O_TMPFILE``; optionally fsynced), then published with
+``linkat`` to its final name, which fails if the name exists: of two writers
+racing on one key (threads or processes), exactly one publishes and the other
+sees ``FileExistsError`` and reports the key as stored. The key's first value
+is never replaced, and a crash never leaves a torn file under a real name: a
+reader sees either no file or a complete one, and a writer killed midway
+leaves nothing behind. Where ``O_TMPFILE`` or ``/proc`` is missing (checked
+once when the backend starts), the page goes to a named temporary file
+``.<key>.<pid>.<random>.tmp`` that is hard-linked, then removed; where the
+filesystem refuses hard links, ``os.replace`` is the fallback, and there the
+race is last-writer-wins, harmless because two writers of one key store the
+same tokens' KV. An existence check (``lstat``) before writing skips the work
+for pages already stored. Leftover temporary files are never read as pages;
+opening the backend removes those older than ten minutes.
 
-**Reads are checked before they land.** A file is read with ``readv`` into a
-pooled scratch buffer (no allocation per page), its header and CRC-32 are
-verified by `unpack_page`, and only then is the payload copied into the
-target page: one extra memcpy per page (cheaper than the CRC itself), the price of
-never writing unchecked bytes into the host pool. A truncated, corrupt,
-format-mismatched or swapped file (header key differs from the key asked) is
-a miss, logged as a warning, counted in ``stats.corrupt_pages`` and removed.
-Writes are zero-copy: the header and the page's segments go to one
-``writev`` with no join.
+**Damaged entries heal.** Anything other than a regular file standing where a
+page file should be (a directory, a fifo, a symbolic link, a socket) is a
+miss: a read removes it, counted as a corrupt page, and a write removes it
+and publishes the page in its place. Page files are opened with
+``O_NOFOLLOW | O_NONBLOCK``, so a link is never followed and a fifo never
+blocks a thread.
 
-**Threads.** Each page's blocking work (open, read/write, fsync, link,
-unlink) runs as one job on the backend's own thread pool
-(``max_concurrency`` threads named ``tiercache-file``), so a page costs one
-executor hop rather than one per system call as with an aiofiles call per
-step, and a job that has started always finishes whole, which is what makes
-cancellation safe: a cancelled ``batch_get`` or ``batch_set`` cancels the
-pages not yet started and returns only once the started ones are done, so no
+**Reads land once and are checked in place.** A read opens the file, checks
+its size with ``fstat``, reads and verifies the small header (key, format,
+length, header checksum), then reads the payload with ``preadv`` straight
+into the destination page's segments and verifies its XXH3-64 checksum there
+(see `tiercache.storage.format`). No scratch buffer, no second copy. A file
+whose header is wrong (truncated, another format or key, a swapped file)
+never touches the page. A payload whose checksum fails was already read into
+the page: the page is reported as not arrived, so its slot is never
+published (the storage tier frees it). Either way the file is a miss, logged
+as a warning, counted in ``stats.corrupt_pages`` and removed. A page of an
+older format version is a plain miss (removed, logged at debug level): the
+next write stores it anew. Writes are zero-copy: the header and the page's
+segments go to one ``writev`` with no join.
+
+**Threads.** A batch runs on the backend's own threads (``max_concurrency``
+of them, named ``tiercache-file``; by default as many as the CPUs this
+process may use, at least 2 and at most 16: reads from the page cache and
+checksums are CPU work, so more threads than cores only contend). Each
+worker takes the batch's next page until none is left, doing that page's
+blocking work (open, read/write, checksum, fsync, link, unlink) whole, so a
+batch costs one executor hop per worker rather than one per page or per
+system call. A page job that has started always finishes, which is what
+makes cancellation safe: a cancelled ``batch_get`` or ``batch_set`` starts
+no further page and returns only once the started ones are done, so no
 thread touches the caller's pages after it regains control.
 
 **The index.** The backend keeps, on the event loop thread, an ``OrderedDict``
@@ -61,9 +85,13 @@ import asyncio
 import concurrent.futures
 import errno
 import hashlib
+import itertools
 import logging
 import os
 import secrets
+import shutil
+import stat
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -78,11 +106,18 @@ import aiofiles.os
 from tiercache.errors import ConfigError, StorageCorruptionError, StorageError
 from tiercache.index.hashing import validate_key
 from tiercache.storage.base import BackendState, BackendStats, PageBuffer, PageKey, StorageBackend
-from tiercache.storage.format import HEADER_FIXED, pack_page, unpack_page
+from tiercache.storage.format import (
+    check_header,
+    decode_header,
+    header_size,
+    is_older_version,
+    pack_page,
+    verify_in_place,
+)
 from tiercache.storage.memory import check_batch
 from tiercache.storage.registry import option_bool, option_int, reject_unknown, url_options
 
-__all__ = ["FileBackend"]
+__all__ = ["FileBackend", "default_concurrency"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,16 +143,45 @@ _OPTIONS = frozenset(
 )
 
 
-def shard_dirs(key: str) -> tuple[str, str]:
-    """The two shard directory names of a key: from its page-hash part, else a hash of it."""
+def shard_dir(key: str) -> str:
+    """The shard directory name of a key: from its page-hash part, else a hash of it."""
     tail = key.rpartition("-")[2]
-    if len(tail) < 4 or not _HEX.issuperset(tail[:4]):
+    if len(tail) < 2 or not _HEX.issuperset(tail[:2]):
         tail = hashlib.sha256(key.encode()).hexdigest()
-    return tail[:2], tail[2:4]
+    return tail[:2]
+
+
+#: Every shard directory name, created when a backend starts.
+_SHARDS = tuple(f"{i:02x}" for i in range(256))
 
 
 def _stored_size(key: str, page: PageBuffer) -> int:
-    return HEADER_FIXED + len(page.format.encode()) + len(key.encode()) + page.nbytes
+    return header_size(key, page.format) + page.nbytes
+
+
+def default_concurrency() -> int:
+    """Threads a backend uses by default: the CPUs this process may use, clamped to [2, 16]."""
+    if hasattr(os, "sched_getaffinity"):
+        cpus = len(os.sched_getaffinity(0))
+    else:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(2, min(16, cpus))
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+_ENTRY_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a fifo"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _kind(mode: int) -> str:
+    for test, name in _ENTRY_KINDS:
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _octal(name: str, value: Any) -> int:
@@ -138,7 +202,7 @@ def _octal(name: str, value: Any) -> int:
 class _Result:
     """What one page job reports back to the loop."""
 
-    status: str  # "hit", "miss", "corrupt", "error", "written", "exists"
+    status: str  # "hit", "miss", "stale", "corrupt", "error", "written", "exists"
     size: int = 0
     detail: str = ""
 
@@ -152,7 +216,8 @@ class FileBackend(StorageBackend):
             needs ``scan``.
         fsync: fsync each page file and its directory before publishing it
             (durable across power loss; much slower).
-        max_concurrency: page jobs run at once (threads of this backend).
+        max_concurrency: page jobs run at once (threads of this backend);
+            ``None``: `default_concurrency` (the CPUs, clamped to [2, 16]).
         scan: index the existing tree and remove stale temporary files when
             the backend starts.
         dir_mode, file_mode: permissions of created directories and files
@@ -174,7 +239,7 @@ class FileBackend(StorageBackend):
         *,
         capacity_bytes: int | None = None,
         fsync: bool = False,
-        max_concurrency: int = 16,
+        max_concurrency: int | None = None,
         scan: bool = True,
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
@@ -183,13 +248,18 @@ class FileBackend(StorageBackend):
         if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
             raise ConfigError(f"root must be a directory path, got {root!r}")
         self.root = Path(root)
+        self._root_str = os.fspath(self.root)
         self.capacity_bytes = (
             None
             if capacity_bytes is None
             else option_int("capacity_bytes", capacity_bytes, minimum=1)
         )
         self.fsync = option_bool("fsync", fsync)
-        self.max_concurrency = option_int("max_concurrency", max_concurrency, minimum=1)
+        self.max_concurrency = (
+            default_concurrency()
+            if max_concurrency is None
+            else option_int("max_concurrency", max_concurrency, minimum=1)
+        )
         self.scan = option_bool("scan", scan)
         self.dir_mode = _octal("dir_mode", dir_mode)
         self.file_mode = _octal("file_mode", file_mode)
@@ -204,7 +274,10 @@ class FileBackend(StorageBackend):
         self._used = 0
         self._started = False
         self._start_lock = asyncio.Lock()
-        self._scratch: list[bytearray] = []
+        #: Whether unnamed temporary files (O_TMPFILE + linkat) work under root; set by start.
+        self._tmpfile = False
+        #: An open fd of the root directory (start to aclose): ``linkat`` needs a directory fd.
+        self._root_fd: int | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -262,6 +335,8 @@ class FileBackend(StorageBackend):
             loop = asyncio.get_running_loop()
             try:
                 found, removed = await loop.run_in_executor(self._pool, self._scan_job)
+                self._root_fd = await loop.run_in_executor(self._pool, self._open_root)
+                self._tmpfile = await loop.run_in_executor(self._pool, self._probe_tmpfile)
             except OSError as e:
                 raise StorageError(f"file backend: cannot open {self.root}: {e}") from e
             for key, size in found:
@@ -281,10 +356,12 @@ class FileBackend(StorageBackend):
             return
         self.state = BackendState.CLOSED
         self._index.clear()
-        self._scratch.clear()
         await _uncancelled(
             asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
         )
+        if self._root_fd is not None:
+            os.close(self._root_fd)
+            self._root_fd = None
 
     # --- the backend interface ---------------------------------------------------------------
 
@@ -309,7 +386,7 @@ class FileBackend(StorageBackend):
     async def batch_get(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
         ks = check_batch(keys, pages)
         await self._ready()
-        results = await self._run([self._read_fn(k, p) for k, p in zip(ks, pages, strict=True)])
+        results = await self._run_each(lambda i: self._read_job(ks[i], pages[i]), len(ks))
         self._check_open()
         out: list[bool] = []
         for k, r in zip(ks, results, strict=True):
@@ -321,7 +398,9 @@ class FileBackend(StorageBackend):
                 out.append(True)
                 continue
             self._forget(k)
-            if r.status == "corrupt":
+            if r.status == "stale":
+                logger.debug("file backend %s: page %s: %s", self.root, k, r.detail)
+            elif r.status == "corrupt":
                 self._stats.corrupt_pages += 1
                 logger.warning(
                     "file backend %s: page %s failed its checks and was removed: %s",
@@ -340,7 +419,6 @@ class FileBackend(StorageBackend):
         ks = check_batch(keys, pages)
         await self._ready()
         out = [False] * len(ks)
-        jobs: list[Callable[[], _Result]] = []
         todo: list[tuple[int, int]] = []  # (position, reserved bytes)
         victims: list[str] = []
         seen: set[str] = set()
@@ -357,17 +435,16 @@ class FileBackend(StorageBackend):
                 victims += self._pick_victims(0)
             seen.add(k)
             todo.append((i, size))
-            jobs.append(self._write_fn(k, page))
-        if victims:
-            jobs.insert(0, self._evict_job(victims))
         try:
-            results = await self._run(jobs)
+            if victims:
+                await self._run([self._evict_job(victims)])
+            results = await self._run_each(
+                lambda j: self._write_job(ks[todo[j][0]], pages[todo[j][0]]), len(todo)
+            )
         except BaseException:
             if self.capacity_bytes is not None:
                 self._used -= sum(size for _, size in todo)
             raise
-        if victims:
-            results = results[1:]
         written = 0
         for (i, reserved), r in zip(todo, results, strict=True):
             k = ks[i]
@@ -435,7 +512,7 @@ class FileBackend(StorageBackend):
         await self._ready()
         path = self._path(k)
         try:
-            await aiofiles.os.makedirs(path.parent, mode=self.dir_mode, exist_ok=True)
+            await aiofiles.os.makedirs(os.path.dirname(path), mode=self.dir_mode, exist_ok=True)
             mode = self.file_mode
             async with aiofiles.open(path, "wb", opener=lambda p, fl: os.open(p, fl, mode)) as f:
                 await f.write(data)
@@ -462,9 +539,9 @@ class FileBackend(StorageBackend):
         if not self._started:
             await self.start()
 
-    def _path(self, key: str) -> Path:
-        a, b = shard_dirs(key)
-        return self.root / a / b / (key + _SUFFIX)
+    def _path(self, key: str) -> str:
+        # Plain strings: pathlib's joins cost more than the open() they feed.
+        return f"{self._root_str}/{shard_dir(key)}/{key}{_SUFFIX}"
 
     def _adopt(self, key: str, size: int) -> None:
         if key not in self._index:
@@ -510,11 +587,52 @@ class FileBackend(StorageBackend):
                 )
             raise
 
-    def _read_fn(self, key: str, page: PageBuffer) -> Callable[[], _Result]:
-        return lambda: self._read_job(key, page)
+    async def _run_each(self, job: Callable[[int], _T], n: int) -> list[_T]:
+        """``[job(0), ..., job(n - 1)]``, run on the backend's threads; all started ones finish.
 
-    def _write_fn(self, key: str, page: PageBuffer) -> Callable[[], _Result]:
-        return lambda: self._write_job(key, page)
+        At most ``max_concurrency`` workers each take the next index until
+        none is left: one executor hop per worker, not per page. Once the
+        calling task is cancelled (the moment ``cancel()`` is called) or a job
+        raises, no further index starts, and the running ones are waited for
+        before the exception propagates.
+        """
+        if n == 0:
+            return []
+        loop = asyncio.get_running_loop()
+        batch = _Batch(loop=loop)
+        finished: asyncio.Future[None] = loop.create_future()
+        results: list[_T | None] = [None] * n
+        counter = itertools.count()
+        workers = min(self.max_concurrency, n)
+        left = [workers]
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def worker() -> None:
+            try:
+                while not batch.stopped:
+                    i = next(counter)  # atomic under the GIL: each index runs once
+                    if i >= n:
+                        break
+                    results[i] = job(i)
+            except BaseException as e:
+                batch.stopped = True
+                errors.append(e)
+            finally:
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    loop.call_soon_threadsafe(_settle, batch, finished, errors)
+
+        for _ in range(workers):
+            self._pool.submit(worker)
+        try:
+            await batch
+        except asyncio.CancelledError:
+            await _uncancelled(finished)
+            raise
+        return results  # type: ignore[return-value]  # every index ran
 
     def _evict_job(self, victims: list[str]) -> Callable[[], Any]:
         paths = [self._path(k) for k in victims]
@@ -522,105 +640,176 @@ class FileBackend(StorageBackend):
 
     # --- jobs: run on the backend's threads, never touch loop state -------------------------
 
-    def _take_scratch(self, n: int) -> bytearray:
-        try:
-            buf = self._scratch.pop()
-        except IndexError:
-            return bytearray(n)
-        return buf if len(buf) >= n else bytearray(n)
-
-    def _give_scratch(self, buf: bytearray) -> None:
-        if len(self._scratch) < self.max_concurrency:
-            self._scratch.append(buf)
-
     def _read_job(self, key: str, page: PageBuffer) -> _Result:
         path = self._path(key)
-        need = _stored_size(key, page)
-        buf = self._take_scratch(need + 1)
         try:
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(path, _READ_FLAGS)
             except (FileNotFoundError, NotADirectoryError):
                 return _Result("miss")
-            view = memoryview(buf)[: need + 1]
-            n = 0
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                _remove_entry(path)  # O_NOFOLLOW met a symbolic link
+                return _Result("corrupt", detail="a symbolic link stands where the page should be")
             try:
-                while n < len(view):  # one more byte than expected: detects a longer file
-                    got = os.readv(fd, [view[n:]])
-                    if got == 0:
-                        break
-                    n += got
+                detail = self._read_fd(fd, key, page)
+            except StorageCorruptionError as e:
+                detail = str(e)
             finally:
                 os.close(fd)
-            try:
-                unpack_page(key, view[:n], page)
-            except StorageCorruptionError as e:
-                self._unlink(path)
-                return _Result("corrupt", detail=str(e))
-            return _Result("hit", n)
+            if detail is None:
+                return _Result("hit", _stored_size(key, page))
+            _remove_entry(path)
+            if detail.startswith("stale"):
+                return _Result("stale", detail=detail)
+            return _Result("corrupt", detail=detail)
         except OSError as e:
             return _Result("error", detail=f"{type(e).__name__}: {e}")
-        finally:
-            self._give_scratch(buf)
 
-    def _mkdirs(self, directory: Path) -> None:
-        for d in (self.root, directory.parent, directory):
+    @staticmethod
+    def _read_fd(fd: int, key: str, page: PageBuffer) -> str | None:
+        """Read and verify one page file into ``page``; ``None``, or why it is not a page.
+
+        Raises:
+            StorageCorruptionError: the header or the payload checksum is wrong.
+            OSError: the read failed.
+        """
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return f"{_kind(st.st_mode)} stands where the page should be"
+        hlen = header_size(key, page.format)
+        head = os.pread(fd, hlen, 0)
+        if is_older_version(head):
+            return "stale: a page of an older format version"
+        if st.st_size != hlen + page.nbytes:
+            # Decode what is there first: a wrong key or format says more than a size.
+            check_header(decode_header(head), key, page)
+            return f"file is {st.st_size} bytes, expected {hlen + page.nbytes}"
+        h = decode_header(head)
+        check_header(h, key, page)
+        if _preadv_all(fd, page.segments, hlen) != page.nbytes:
+            return "file shrank while it was read"
+        verify_in_place(key, h, page)
+        return None
+
+    def _mkdirs(self, directory: str) -> None:
+        for d in (self._root_str, directory):
             try:
                 os.mkdir(d, self.dir_mode)
             except FileExistsError:
                 pass
             except FileNotFoundError:
-                os.makedirs(d.parent, exist_ok=True)
+                os.makedirs(os.path.dirname(d), exist_ok=True)
                 os.makedirs(d, self.dir_mode, exist_ok=True)
 
     def _write_job(self, key: str, page: PageBuffer) -> _Result:
         path = self._path(key)
-        if os.path.exists(path):
-            return _Result("exists")
-        parts = pack_page(key, page)
-        size = sum(memoryview(p).nbytes for p in parts)
-        tmp = path.parent / f".{key}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            try:
-                fd = os.open(tmp, flags, self.file_mode)
-            except FileNotFoundError:
-                self._mkdirs(path.parent)
-                fd = os.open(tmp, flags, self.file_mode)
-            try:
-                try:
-                    _writev_all(fd, parts)
-                    if self.fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                try:
-                    os.link(tmp, path)
-                except FileExistsError:
-                    return _Result("exists", size)
-                except OSError as e:
-                    if e.errno not in _NO_LINK_ERRNOS:
-                        raise
-                    os.replace(tmp, path)
-                if self.fsync:
-                    _fsync_dir(path.parent)
-                return _Result("written", size)
-            finally:
-                self._unlink(tmp)
+            if _is_page_file(path):
+                return _Result("exists")
+            parts = pack_page(key, page)
+            size = sum(memoryview(p).nbytes for p in parts)
+            if self._tmpfile:
+                return self._publish_unnamed(path, parts, size)
+            return self._publish_named(path, parts, size)
         except OSError as e:
             return _Result("error", detail=f"{type(e).__name__}: {e}")
+
+    def _open_in(self, directory: str, open_fn: Callable[[], int]) -> int:
+        try:
+            return open_fn()
+        except FileNotFoundError:
+            self._mkdirs(directory)
+            return open_fn()
+
+    def _publish_unnamed(
+        self, path: str, parts: Sequence[bytes | memoryview], size: int
+    ) -> _Result:
+        """Write to an ``O_TMPFILE`` file in ``path``'s directory, then ``linkat`` it in place."""
+        flags = os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC
+        directory = os.path.dirname(path)
+        fd = self._open_in(directory, lambda: os.open(directory, flags, self.file_mode))
+        try:
+            _writev_all(fd, parts)
+            if self.fsync:
+                os.fsync(fd)
+            # An absolute source with a directory fd: linkat(..., AT_SYMLINK_FOLLOW),
+            # which links the open file itself (plain link() would refuse /proc links).
+            published = _link_first(
+                f"/proc/self/fd/{fd}", path, src_dir_fd=self._root_fd, follow=True
+            )
+        finally:
+            os.close(fd)
+        if not published:
+            return _Result("exists", size)
+        if self.fsync:
+            _fsync_dir(directory)
+        return _Result("written", size)
+
+    def _publish_named(self, path: str, parts: Sequence[bytes | memoryview], size: int) -> _Result:
+        """Write to a named temporary file, then hard-link it in place (or rename it)."""
+        directory, name = os.path.split(path)
+        key = name[: -len(_SUFFIX)]
+        tmp = f"{directory}/.{key}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        fd = self._open_in(directory, lambda: os.open(tmp, flags, self.file_mode))
+        try:
+            try:
+                _writev_all(fd, parts)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                if not _link_first(tmp, path):
+                    return _Result("exists", size)
+            except OSError as e:
+                if e.errno not in _NO_LINK_ERRNOS:
+                    raise
+                os.replace(tmp, path)
+            if self.fsync:
+                _fsync_dir(directory)
+            return _Result("written", size)
+        finally:
+            self._unlink(tmp)
+
+    def _open_root(self) -> int | None:
+        try:
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+
+    def _probe_tmpfile(self) -> bool:
+        """Whether ``O_TMPFILE`` plus ``linkat`` through ``/proc`` work under the root."""
+        if not hasattr(os, "O_TMPFILE") or self._root_fd is None:
+            return False
+        probe = self.root / f".probe.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+        try:
+            fd = os.open(self.root, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, self.file_mode)
+            try:
+                os.link(f"/proc/self/fd/{fd}", probe, src_dir_fd=self._root_fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            return False
+        self._unlink(probe)
+        return True
 
     def _exists_job(self, keys: Sequence[str]) -> list[tuple[str, int]]:
         found: list[tuple[str, int]] = []
         for k in keys:
             try:
-                found.append((k, os.stat(self._path(k)).st_size))
+                st = os.lstat(self._path(k))
             except (FileNotFoundError, NotADirectoryError):
                 break
+            if not stat.S_ISREG(st.st_mode):
+                break  # a damaged entry is a miss (a read or a write heals it)
+            found.append((k, st.st_size))
         return found
 
     @staticmethod
-    def _unlink(path: Path) -> bool:
+    def _unlink(path: str | Path) -> bool:
         try:
             os.unlink(path)
             return True
@@ -628,19 +817,31 @@ class FileBackend(StorageBackend):
             return False
 
     def _shards(self) -> list[Path]:
-        out: list[Path] = []
-        for a in _list_dirs(self.root):
-            out += [Path(a.path, b.name) for b in _list_dirs(Path(a.path))]
-        return out
+        return [Path(e.path) for e in _list_dirs(self.root)]
 
-    def _scan_job(self) -> tuple[list[tuple[str, int]], int]:
-        """Index ``*.page`` files oldest first; remove stale temporary files."""
+    def _make_shards(self) -> None:
+        """Create the root and any of the 256 shard directories that are missing."""
         if not self.root.exists():
             os.makedirs(self.root.parent, exist_ok=True)
             try:
                 os.mkdir(self.root, self.dir_mode)
             except FileExistsError:
                 pass
+        have = {e.name for e in _list_dirs(self.root)}
+        for name in _SHARDS:
+            if name not in have:
+                try:
+                    os.mkdir(os.path.join(self.root, name), self.dir_mode)
+                except FileExistsError:
+                    pass  # another process made it, or a file stands there (writes report it)
+
+    def _scan_job(self) -> tuple[list[tuple[str, int]], int]:
+        """Make the shards; index ``*.page`` files oldest first; remove stale files.
+
+        Stale: temporary files older than ten minutes, and format version 1
+        pages in the old two-level tree (``ab/cd/<key>.page``).
+        """
+        self._make_shards()
         if not self.scan:
             return [], 0
         pages: list[tuple[float, str, int]] = []
@@ -655,23 +856,36 @@ class FileBackend(StorageBackend):
                         continue
                     if e.name.startswith(".") and e.name.endswith(_TMP_SUFFIX):
                         if st.st_mtime < stale_before:
-                            removed += self._unlink(Path(e.path))
-                    elif e.name.endswith(_SUFFIX) and e.is_file(follow_symlinks=False):
+                            removed += self._unlink(e.path)
+                    elif e.name.endswith(_SUFFIX) and stat.S_ISREG(st.st_mode):
                         pages.append((st.st_mtime, e.name[: -len(_SUFFIX)], st.st_size))
+            for old in _list_dirs(shard):  # the version 1 layout
+                removed += _remove_page_files(Path(old.path), rmdir=True)
         pages.sort()
         return [(k, size) for _, k, size in pages], removed
 
     def _clear_job(self) -> None:
+        # The shard directories stay: the next writes need them.
         for shard in self._shards():
-            with os.scandir(shard) as it:
-                names = [e.path for e in it if e.name.endswith((_SUFFIX, _TMP_SUFFIX))]
-            for p in names:
-                self._unlink(Path(p))
-            for d in (shard, shard.parent):
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    pass  # not empty: something else lives there
+            _remove_page_files(shard, rmdir=False)
+            for old in _list_dirs(shard):
+                _remove_page_files(Path(old.path), rmdir=True)
+
+
+def _remove_page_files(directory: Path, *, rmdir: bool) -> int:
+    """Unlink the ``*.page`` and ``*.tmp`` files of ``directory`` (then the directory if empty)."""
+    try:
+        with os.scandir(directory) as it:
+            names = [e.path for e in it if e.name.endswith((_SUFFIX, _TMP_SUFFIX))]
+    except FileNotFoundError:
+        return 0
+    n = sum(FileBackend._unlink(p) for p in names)
+    if rmdir:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass  # not empty: something else lives there
+    return n
 
 
 def _list_dirs(path: Path) -> list[os.DirEntry[str]]:
@@ -686,6 +900,101 @@ def _list_dirs(path: Path) -> list[os.DirEntry[str]]:
         return []
 
 
+class _Batch(asyncio.Future[None]):
+    """Done when every worker of a batch has returned; cancelling it stops the batch at once.
+
+    ``Task.cancel`` calls the awaited future's ``cancel`` synchronously, so
+    ``stopped`` is set before the loop runs anything else: no worker takes a
+    further page after the caller was cancelled.
+    """
+
+    stopped = False
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        self.stopped = True
+        return super().cancel(msg)
+
+
+def _settle(batch: _Batch, finished: asyncio.Future[None], errors: list[BaseException]) -> None:
+    """On the loop: every worker of ``batch`` has returned."""
+    finished.set_result(None)
+    if not batch.done():
+        if errors:
+            batch.set_exception(errors[0])
+        else:
+            batch.set_result(None)
+
+
+def _is_page_file(path: str | Path) -> bool:
+    """Whether a regular file stands at ``path``; anything else found there is removed."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if stat.S_ISREG(st.st_mode):
+        return True
+    _remove_entry(path)
+    return False
+
+
+def _remove_entry(path: str | Path) -> None:
+    """Remove whatever stands at ``path`` (file, link, fifo, directory tree); never follows links."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: links inside are not followed
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _link_first(
+    src: str, path: str | Path, *, src_dir_fd: int | None = None, follow: bool = False
+) -> bool:
+    """Hard-link ``src`` at ``path``; ``False`` if a page file is already there (first writer wins).
+
+    A damaged entry (not a regular file) in the way is removed and the link
+    tried once more.
+
+    Raises:
+        OSError: the link failed, or the entry came back.
+    """
+    for attempt in range(2):
+        try:
+            if follow:
+                os.link(src, path, src_dir_fd=src_dir_fd, follow_symlinks=True)
+            else:
+                os.link(src, path)
+            return True
+        except FileExistsError:
+            if _is_page_file(path):
+                return False
+            if attempt:
+                raise
+    return False  # pragma: no cover - the loop returns or raises
+
+
+def _preadv_all(fd: int, segments: Sequence[memoryview], offset: int) -> int:
+    """Read into ``segments`` from ``offset`` with ``preadv``; returns bytes read (short at EOF)."""
+    bufs = list(segments)
+    total = 0
+    while bufs:
+        n = os.preadv(fd, bufs[:_IOV_CHUNK], offset + total)
+        if n == 0:
+            break
+        total += n
+        while bufs and n >= bufs[0].nbytes:
+            n -= bufs[0].nbytes
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+    return total
+
+
 def _writev_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
     """Write every part, in order, with as few ``writev`` calls as the kernel allows."""
     bufs = [memoryview(p).cast("B") for p in parts]
@@ -698,7 +1007,7 @@ def _writev_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
             bufs[0] = bufs[0][n:]
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir(path: str | Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)

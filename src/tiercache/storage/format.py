@@ -6,27 +6,35 @@ trusted::
 
     offset  size  field
     0       4     magic  b"TCKV"
-    4       2     format version (1)
+    4       2     format version (2)
     6       2     length of the page format string   (F)
     8       2     length of the page key             (K)
     10      2     reserved (0)
     12      8     payload length in bytes
-    20      4     CRC-32 of the payload
-    24      4     CRC-32 of bytes 0..23 plus format and key
-    28      F     page format (layout, dtype, shape, host layout; UTF-8)
-    28+F    K     page key (UTF-8)
-    28+F+K  ...   payload
+    20      8     XXH3-64 of the payload
+    28      8     XXH3-64 of bytes 0..27 plus format and key
+    36      F     page format (layout, dtype, shape, host layout; UTF-8)
+    36+F    K     page key (UTF-8)
+    36+F+K  ...   payload
 
 The key inside the header means a file renamed or swapped under another key
 is detected; the format means a page of another model, dtype or layout is
 never read into this pool; the checksums catch torn and flipped bytes.
+
+The checksum is XXH3-64 from the ``xxhash`` package: about 30 GB/s on one
+core (CRC-32 from ``zlib`` does about 2 GB/s, hardware CRC32C 5-8 GB/s on the
+same machine), it releases the GIL, and it hashes a page's segments in place,
+so verifying a page costs a small fraction of reading it. Version 1 pages
+(CRC-32) are not read: `is_older_version` tells them apart so that a backend
+can drop them as plain misses; the next write of the same key stores it anew.
 """
 
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
+
+import xxhash
 
 from tiercache.errors import StorageCorruptionError
 from tiercache.memory.pages import PageBuffer
@@ -38,16 +46,20 @@ __all__ = [
     "PageHeader",
     "decode_header",
     "encode_header",
-    "page_crc32",
+    "header_size",
+    "is_older_version",
+    "page_checksum",
     "check_header",
     "pack_page",
     "unpack_page",
+    "verify_in_place",
 ]
 
 MAGIC = b"TCKV"
-VERSION = 1
-_FIXED = struct.Struct("<4sHHHHQI")  # magic, version, F, K, reserved, payload len, payload crc
-HEADER_FIXED = _FIXED.size + 4  # + header crc
+VERSION = 2
+_FIXED = struct.Struct("<4sHHHHQQ")  # magic, version, F, K, reserved, payload len, payload sum
+_SUM = struct.Struct("<Q")
+HEADER_FIXED = _FIXED.size + _SUM.size  # + header checksum
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,25 +67,50 @@ class PageHeader:
     key: str
     format: str
     payload_len: int
-    payload_crc: int
+    payload_sum: int
     header_len: int
 
 
-def page_crc32(page: PageBuffer) -> int:
-    """CRC-32 of a page's bytes, segment by segment (no join)."""
-    crc = 0
+def page_checksum(page: PageBuffer) -> int:
+    """XXH3-64 of a page's bytes, segment by segment, in place (no join, no copy).
+
+    Releases the GIL while it hashes: safe to call from worker threads.
+    """
+    if len(page.segments) == 1:
+        return int(xxhash.xxh3_64_intdigest(page.segments[0]))
+    h = xxhash.xxh3_64()
     for seg in page.segments:
-        crc = zlib.crc32(seg, crc)
-    return crc
+        h.update(seg)
+    return int(h.intdigest())
 
 
-def encode_header(key: str, format: str, payload_len: int, payload_crc: int) -> bytes:
+def _header_sum(fixed: bytes | memoryview, fmt_b: bytes, key_b: bytes) -> int:
+    h = xxhash.xxh3_64(fixed)
+    h.update(fmt_b)
+    h.update(key_b)
+    return int(h.intdigest())
+
+
+def header_size(key: str, format: str) -> int:
+    """Bytes of the header that `encode_header` writes for ``key`` and ``format``."""
+    return HEADER_FIXED + len(format.encode()) + len(key.encode())
+
+
+def encode_header(key: str, format: str, payload_len: int, payload_sum: int) -> bytes:
     fmt_b, key_b = format.encode(), key.encode()
     if len(fmt_b) > 0xFFFF or len(key_b) > 0xFFFF:
         raise ValueError("page format or key too long for the header")
-    fixed = _FIXED.pack(MAGIC, VERSION, len(fmt_b), len(key_b), 0, payload_len, payload_crc)
-    hcrc = zlib.crc32(key_b, zlib.crc32(fmt_b, zlib.crc32(fixed)))
-    return fixed + struct.pack("<I", hcrc) + fmt_b + key_b
+    fixed = _FIXED.pack(MAGIC, VERSION, len(fmt_b), len(key_b), 0, payload_len, payload_sum)
+    return fixed + _SUM.pack(_header_sum(fixed, fmt_b, key_b)) + fmt_b + key_b
+
+
+def is_older_version(data: bytes | bytearray | memoryview) -> bool:
+    """Whether ``data`` starts like a page of an earlier format version (stale, not damaged)."""
+    mv = memoryview(data)
+    if mv.nbytes < 6 or bytes(mv[:4]) != MAGIC:
+        return False
+    (version,) = struct.unpack_from("<H", mv, 4)
+    return 0 < int(version) < VERSION
 
 
 def decode_header(data: bytes | bytearray | memoryview) -> PageHeader:
@@ -86,28 +123,28 @@ def decode_header(data: bytes | bytearray | memoryview) -> PageHeader:
     mv = memoryview(data)
     if mv.nbytes < HEADER_FIXED:
         raise StorageCorruptionError(f"page header truncated ({mv.nbytes} bytes)")
-    magic, version, flen, klen, _, plen, pcrc = _FIXED.unpack_from(mv, 0)
+    magic, version, flen, klen, _, plen, psum = _FIXED.unpack_from(mv, 0)
     if magic != MAGIC:
         raise StorageCorruptionError("not a tiercache page (bad magic)")
     if version != VERSION:
         raise StorageCorruptionError(f"unsupported page format version {version}")
-    (hcrc,) = struct.unpack_from("<I", mv, _FIXED.size)
+    (hsum,) = _SUM.unpack_from(mv, _FIXED.size)
     end = HEADER_FIXED + flen + klen
     if mv.nbytes < end:
         raise StorageCorruptionError("page header truncated")
     fmt_b = bytes(mv[HEADER_FIXED : HEADER_FIXED + flen])
     key_b = bytes(mv[HEADER_FIXED + flen : end])
-    if zlib.crc32(key_b, zlib.crc32(fmt_b, zlib.crc32(mv[: _FIXED.size]))) != hcrc:
+    if _header_sum(bytes(mv[: _FIXED.size]), fmt_b, key_b) != hsum:
         raise StorageCorruptionError("page header checksum mismatch")
     try:
-        return PageHeader(key_b.decode(), fmt_b.decode(), plen, pcrc, end)
+        return PageHeader(key_b.decode(), fmt_b.decode(), plen, psum, end)
     except UnicodeDecodeError as e:
         raise StorageCorruptionError("page header is not valid UTF-8") from e
 
 
 def pack_page(key: str, page: PageBuffer) -> list[bytes | memoryview]:
     """``[header, *segments]``: what to write, in order, to store ``page`` under ``key``."""
-    return [encode_header(key, page.format, page.nbytes, page_crc32(page)), *page.segments]
+    return [encode_header(key, page.format, page.nbytes, page_checksum(page)), *page.segments]
 
 
 def unpack_page(key: str, data: bytes | bytearray | memoryview, page: PageBuffer) -> None:
@@ -126,9 +163,22 @@ def unpack_page(key: str, data: bytes | bytearray | memoryview, page: PageBuffer
         raise StorageCorruptionError(
             f"page {key}: payload is {payload.nbytes} bytes, header says {h.payload_len}"
         )
-    if zlib.crc32(payload) != h.payload_crc:
+    if xxhash.xxh3_64_intdigest(payload) != h.payload_sum:
         raise StorageCorruptionError(f"page {key}: payload checksum mismatch")
     page.write(payload)
+
+
+def verify_in_place(key: str, h: PageHeader, page: PageBuffer) -> None:
+    """Check a payload already read into ``page`` against its header's checksum.
+
+    For backends that read straight into the destination: the caller must
+    treat ``page`` as garbage (never publish it) when this raises.
+
+    Raises:
+        StorageCorruptionError: the payload checksum differs.
+    """
+    if page_checksum(page) != h.payload_sum:
+        raise StorageCorruptionError(f"page {key}: payload checksum mismatch")
 
 
 def check_header(h: PageHeader, key: str, page: PageBuffer) -> None:

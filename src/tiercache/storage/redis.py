@@ -62,8 +62,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Batches whose pages total more than this many bytes are packed (CRC-32 and
-#: the join into one value) and verified (CRC-32 and the copy into the page
+#: Batches whose pages total more than this many bytes are packed (checksum and
+#: the join into one value) and verified (checksum and the copy into the page
 #: buffers) in the loop's default executor, one executor call per batch.
 #: Below it the work takes well under a millisecond and runs on the loop,
 #: where a thread hop would cost more than it saves.

@@ -1,4 +1,17 @@
-"""The copy engine: vectorised page moves between the device and host pools."""
+"""The copy engine: vectorised page moves between the device and host pools.
+
+**Bounded temporaries.** No copy builds a temporary as large as the
+transfer. A gather (``index_select``) and the contiguous copy that torch makes
+of a strided source before a host<->device DMA are made in chunks of at most
+`MAX_TEMP_BYTES` (64 MiB): backing up 128k tokens of a 32-layer model costs
+64 MiB of extra device memory, not gigabytes. With a ``layer_first`` host
+pool a backup to the host goes layer by layer, where both sides are
+contiguous and no temporary is needed at all.
+
+**Runs on a CPU device pool** are copied as the widest integer rows they
+allow: a one-page run of 128 KiB stays under torch's parallel grain, so pages
+scattered on both sides no longer pay an OpenMP fork and join per page.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +23,10 @@ from tiercache.errors import InvalidInputError
 from tiercache.memory.allocator import check_slot_indices
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
 
-__all__ = ["CopyEngine", "TransferPlan"]
+__all__ = ["MAX_TEMP_BYTES", "CopyEngine", "TransferPlan"]
+
+#: The most bytes one temporary of a copy holds (see the module docstring).
+MAX_TEMP_BYTES = 64 << 20
 
 #: Per-copy-call overhead, expressed in bytes a copy moves in the same time.
 #: A page run becomes one ``copy_`` call per buffer; scattered pages instead
@@ -31,6 +47,20 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
         if row % size == 0 and t.element_size() <= size:
             return t.view(dtype)
     return t.view(torch.uint8)
+
+
+def _spans(n: int, unit: int, unit_bytes: int) -> list[tuple[int, int]]:
+    """``[0, n)`` in spans of whole ``unit`` items whose bytes stay within `MAX_TEMP_BYTES`.
+
+    ``unit_bytes`` is the size of one item; a span holds at least one unit.
+    """
+    step = max(1, MAX_TEMP_BYTES // max(1, unit * unit_bytes)) * unit
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``(n, H, D)`` -> ``(n, H*D)`` widest-int rows (a view; the token dim may be strided)."""
+    return _int_view(t.view(t.shape[0], -1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,41 +192,61 @@ class CopyEngine:
         """Copy every layer of ``plan``'s device slots into its host slots."""
         if plan.empty:
             return
-        host = self.host_pool
         stacked = self.device_pool.stacked
-        nb = self.non_blocking
         for b in range(self.layout.num_buffers):
-            if stacked is not None:
-                src_all = stacked[b]  # (L, S, H, D)
-                if plan.runs is not None:
-                    for h0, d0, n in plan.runs:
-                        src = src_all[:, d0 : d0 + n]
-                        dst = host.tokens(b, h0, h0 + n)
-                        if host.host_layout == "page_first":
-                            src = src.transpose(0, 1)
-                        dst.copy_(src, non_blocking=nb)
-                else:
-                    gathered = src_all.index_select(1, plan.device_indices)
-                    if host.host_layout == "layer_first":
-                        host.buffer[b].index_copy_(1, plan.host_indices, gathered.to("cpu"))
-                    else:
-                        host.buffer[b].index_copy_(
-                            0, plan.host_indices, gathered.transpose(0, 1).to("cpu")
-                        )
-            else:
+            if stacked is None:
                 for layer in range(self.layout.num_layers):
                     self._backup_layer(b, layer, plan)
+            elif plan.runs is not None:
+                self._backup_runs(b, stacked[b], plan.runs)
+            else:
+                self._backup_gather(b, stacked[b], plan)
+
+    def _backup_runs(
+        self, b: int, src_all: torch.Tensor, runs: tuple[tuple[int, int, int], ...]
+    ) -> None:
+        """Runs of every layer at once from a stacked ``(L, S, H, D)`` device buffer."""
+        host = self.host_pool
+        nb = self.non_blocking
+        token_bytes = self.layout.num_layers * self.layout.token_layer_bytes
+        if host.host_layout == "layer_first" and self.device.type != "cpu":
+            # Strided on both sides across layers: torch would stage a contiguous copy of
+            # the whole run on the device. Layer by layer both sides are contiguous.
+            for layer in range(self.layout.num_layers):
+                src, dst = src_all[layer], host.buffer[b, layer]
+                for h0, d0, n in runs:
+                    dst[h0 : h0 + n].copy_(src[d0 : d0 + n], non_blocking=nb)
+            return
+        for h0, d0, n in runs:
+            # page_first: the transposed device source is staged contiguously per chunk.
+            for lo, hi in _spans(n, 1, token_bytes):
+                src = src_all[:, d0 + lo : d0 + hi]
+                dst = host.tokens(b, h0 + lo, h0 + hi)
+                if host.host_layout == "page_first":
+                    src = src.transpose(0, 1)
+                dst.copy_(src, non_blocking=nb)
+
+    def _backup_gather(self, b: int, src_all: torch.Tensor, plan: TransferPlan) -> None:
+        """Scattered slots of every layer, gathered on the device in bounded chunks."""
+        host = self.host_pool
+        token_bytes = self.layout.num_layers * self.layout.token_layer_bytes
+        for lo, hi in _spans(plan.num_tokens, self.layout.page_size, token_bytes):
+            gathered = src_all.index_select(1, plan.device_indices[lo:hi])
+            idx = plan.host_indices[lo:hi]
+            if host.host_layout == "layer_first":
+                host.buffer[b].index_copy_(1, idx, gathered.to("cpu"))
+            else:
+                host.buffer[b].index_copy_(0, idx, gathered.transpose(0, 1).to("cpu"))
 
     def _backup_layer(self, b: int, layer: int, plan: TransferPlan) -> None:
         src = self.device_pool.buffers[b][layer]
         dst = self.host_pool.layer(b, layer)
         if plan.runs is not None:
-            for h0, d0, n in plan.runs:
-                dst[h0 : h0 + n].copy_(src[d0 : d0 + n], non_blocking=self.non_blocking)
-        else:
-            dst.index_copy_(
-                0, plan.host_indices, src.index_select(0, plan.device_indices).to("cpu")
-            )
+            self._copy_runs(dst, src, [(d0, h0, n) for h0, d0, n in plan.runs])
+            return
+        for lo, hi in _spans(plan.num_tokens, self.layout.page_size, self.layout.token_layer_bytes):
+            gathered = src.index_select(0, plan.device_indices[lo:hi])
+            dst.index_copy_(0, plan.host_indices[lo:hi], gathered.to("cpu"))
 
     # -- host -> device -------------------------------------------------------
 
@@ -211,11 +261,40 @@ class CopyEngine:
             if plan.device_runs is not None and plan.host_pages is not None:
                 self._gather_pages(src, dst, plan.device_runs, plan.host_pages)
             elif plan.runs is not None:
-                for h0, d0, n in plan.runs:
-                    dst[d0 : d0 + n].copy_(src[h0 : h0 + n], non_blocking=nb)
+                self._copy_runs(dst, src, plan.runs)
             else:
-                gathered = src.index_select(0, plan.host_indices)
-                dst.index_copy_(0, plan.device_indices, gathered.to(self.device, non_blocking=nb))
+                per_token = self.layout.token_layer_bytes
+                for lo, hi in _spans(plan.num_tokens, self.layout.page_size, per_token):
+                    gathered = src.index_select(0, plan.host_indices[lo:hi])
+                    dst.index_copy_(
+                        0, plan.device_indices[lo:hi], gathered.to(self.device, non_blocking=nb)
+                    )
+
+    def _copy_runs(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        runs: tuple[tuple[int, int, int], ...] | list[tuple[int, int, int]],
+    ) -> None:
+        """Copy ``src[s0:s0+n]`` to ``dst[t0:t0+n]`` for each ``(s0, t0, n)`` of one layer.
+
+        Note the order: ``runs`` holds ``(src start, dst start, length)``.
+        On a CPU device pool each run is one copy of integer rows; otherwise
+        runs are copied in chunks of at most `MAX_TEMP_BYTES` where the source
+        is strided (a ``page_first`` host layer, which torch stages
+        contiguously before a DMA).
+        """
+        nb = self.non_blocking
+        if self.device.type == "cpu":
+            # Integer rows: a one-page run stays under torch's parallel grain (no
+            # OpenMP fork and join for 128 KiB); long runs still copy in parallel.
+            s, d = _rows(src), _rows(dst)
+            for s0, t0, n in runs:
+                d[t0 : t0 + n].copy_(s[s0 : s0 + n])
+            return
+        for s0, t0, n in runs:
+            for lo, hi in _spans(n, 1, self.layout.token_layer_bytes):
+                dst[t0 + lo : t0 + hi].copy_(src[s0 + lo : s0 + hi], non_blocking=nb)
 
     def _gather_pages(
         self,
