@@ -97,7 +97,7 @@ from tiercache.errors import (
     StorageTimeoutError,
     TierCacheError,
 )
-from tiercache.integrations._vllm_loop import LoopThread
+from tiercache.integrations._loop import LoopThread
 from tiercache.memory.pages import PageBuffer
 from tiercache.storage.base import PageKey, StorageBackend
 from tiercache.storage.registry import open_backend, redact_url
@@ -327,7 +327,7 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
 
         self._loop = LoopThread(f"tiercache-vllm-{tier_type}")
         try:
-            self._loop.call(self._open_first(), timeout=self._open_timeout_s + 1.0)
+            self._loop.run(self._open_first(), timeout=self._open_timeout_s + 1.0)
         except ConfigError:
             self._loop.close(timeout=self._open_timeout_s)
             raise
@@ -601,7 +601,7 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         if futures:
             concurrent.futures.wait(futures, timeout=self._timeout_s)
         try:
-            self._loop.call(self._close_backend(), timeout=self._timeout_s + 5.0)
+            self._loop.run(self._close_backend(), timeout=self._timeout_s + 5.0)
         except BaseException as e:
             logger.warning("tiercache tier %r: closing the backend failed: %s", self.tier_type, e)
         if self._loop.close(timeout=self._timeout_s + 5.0):
