@@ -71,7 +71,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 from collections.abc import Coroutine, Mapping
 from dataclasses import asdict, dataclass
@@ -90,6 +89,7 @@ from tiercache.errors import (
 from tiercache.index.hashing import StorageNamespace
 from tiercache.integrations._loop import LoopThread
 from tiercache.integrations._metrics import AdapterMetrics, MetricsOptions
+from tiercache.integrations._options import positive
 from tiercache.memory.layout import KVLayout
 from tiercache.memory.pages import PageBuffer
 from tiercache.storage import StorageBackend, open_backend
@@ -126,14 +126,7 @@ def _option(name: str) -> str:
 
 
 def _positive(name: str, value: object, *, integer: bool = False) -> float:
-    ok = isinstance(value, int) if integer else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok:
-        kind = "an int" if integer else "a number"
-        raise ConfigError(f"extra_config[{name!r}] must be {kind}, got {value!r}")
-    v = float(value)  # type: ignore[arg-type]
-    if not math.isfinite(v) or v <= 0:
-        raise ConfigError(f"extra_config[{name!r}] must be positive, got {value!r}")
-    return v
+    return positive(_option(name), value, integer=integer)
 
 
 @dataclass(frozen=True, slots=True)

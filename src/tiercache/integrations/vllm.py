@@ -104,6 +104,7 @@ from tiercache.errors import (
 )
 from tiercache.integrations._loop import LoopThread
 from tiercache.integrations._metrics import AdapterMetrics, MetricsOptions
+from tiercache.integrations._options import positive
 from tiercache.memory.pages import PageBuffer
 from tiercache.storage.base import PageKey, StorageBackend
 from tiercache.storage.registry import open_backend, redact_url
@@ -270,12 +271,8 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
             ("open_timeout_s", open_timeout_s),
             ("reopen_interval_s", reopen_interval_s),
         ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ConfigError(f"{name} must be a positive number, got {value!r}")
-        if isinstance(max_probe_batch, bool) or not isinstance(max_probe_batch, int):
-            raise ConfigError(f"max_probe_batch must be an int, got {max_probe_batch!r}")
-        if max_probe_batch <= 0:
-            raise ConfigError(f"max_probe_batch must be positive, got {max_probe_batch}")
+            positive(name, value)
+        positive("max_probe_batch", max_probe_batch, integer=True)
         if backend_options is not None and not isinstance(backend_options, dict):
             raise ConfigError(f"backend_options must be a dict, got {backend_options!r}")
         if not isinstance(namespace, str):
