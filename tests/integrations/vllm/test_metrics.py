@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from tests.integrations.vllm.harness import (  # noqa: E402
     payloads,
     tier_config,
 )
+from tests.redis_server import RedisServer, require_redis_server  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
@@ -148,3 +150,32 @@ def test_a_second_collector_in_one_registry_is_a_config_error(tmp_path: Path) ->
         assert set(threading.enumerate()) - before == set()
     finally:
         first.shutdown()
+
+
+@pytest.mark.redis
+def test_a_store_down_at_start_is_exported_once_it_opens() -> None:
+    registry = prometheus_client.CollectorRegistry()
+    labels = {"backend": "redis", "engine": "vllm", "tier": "TierCacheTier"}
+    with RedisServer(require_redis_server()) as server:
+        server.stop()
+        inst = Instance(
+            [
+                tier_config(
+                    server.url, timeout_s=1.0, reopen_interval_s=0.2, metrics_registry=registry
+                )
+            ]
+        )
+        try:
+            assert inst.tier.metrics.collector is None  # nothing to watch yet
+            assert registry.get_sample_value("tiercache_backend_set_pages_total", labels) is None
+            server.start()
+            time.sleep(0.3)  # past reopen_interval_s
+            keys, data = make_keys(2), payloads(2, BLOCK)
+            inst.store(keys, data)
+            assert inst.tier.metrics.collector is not None
+            stats = _backend_stats(inst.tier)
+            for name, field in BACKEND_COUNTERS.items():
+                assert registry.get_sample_value(name, labels) == getattr(stats, field), name
+            assert registry.get_sample_value("tiercache_backend_set_written_total", labels) == 2
+        finally:
+            inst.close()
