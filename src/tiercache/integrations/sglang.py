@@ -36,7 +36,7 @@ unknown key or a bad value raises `ConfigError` naming the key:
   SGLang passes (set it to share pages with a `TierCache` under another name).
 - ``metrics_port`` (int): serve Prometheus metrics of the storage backend
   (`tiercache.metrics`, labelled ``engine="sglang"`` and ``tp_rank``) on
-  ``metrics_port + tp_rank`` (``0``: any free port, see `metrics_port`);
+  ``metrics_port + tp_rank`` (``0``: any free port, in ``metrics.port``);
   ``metrics_addr`` is the address it binds (``0.0.0.0``). In Python,
   ``metrics_registry`` (a ``prometheus_client.CollectorRegistry``) registers
   the collector there instead of in a registry of the backend's own. Both

@@ -227,8 +227,8 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
             successful store (when vLLM has KV events enabled).
         metrics_port: serve Prometheus metrics of the storage backend
             (`tiercache.metrics`, labelled ``engine="vllm"`` and
-            ``tier=<tier_type>``) on this port (``0``: any free port, see
-            `metrics`); needs ``tiercache[metrics]``.
+            ``tier=<tier_type>``) on this port (``0``: any free port, in
+            ``metrics.port``); needs ``tiercache[metrics]``.
         metrics_addr: the address the metrics server binds (default ``0.0.0.0``).
         metrics_registry: a ``prometheus_client.CollectorRegistry`` to register
             the collector in (programmatic use), instead of one of the tier's own.

@@ -155,3 +155,14 @@ def test_a_port_in_use_fails_the_attach_and_leaves_no_thread_or_fd(file_store: s
             _backend(host, url=file_store, metrics_port=port, metrics_addr="127.0.0.1")
         assert set(threading.enumerate()) - threads_before == set()
         assert set(os.listdir("/proc/self/fd")) - fds_before == set()
+
+
+def test_a_rank_port_past_65535_is_refused_and_leaves_no_thread(file_store: str) -> None:
+    from tiercache.errors import ConfigError
+
+    g = h.Geometry()
+    host = h.host_pool(g, h.device_pool(g))
+    before = set(threading.enumerate())
+    with pytest.raises(ConfigError, match=r"metrics_port'\] 65535 \+ rank 1 is past port 65535"):
+        _backend(host, url=file_store, tp_rank=1, tp_size=2, metrics_port=65535)
+    assert set(threading.enumerate()) - before == set()
