@@ -34,6 +34,13 @@ unknown key or a bad value raises `ConfigError` naming the key:
   ``auto_detach`` stops calling it for good; ``none`` keeps calling it.
 - ``model_name``: the model identity in storage keys, instead of the name
   SGLang passes (set it to share pages with a `TierCache` under another name).
+- ``metrics_port`` (int): serve Prometheus metrics of the storage backend
+  (`tiercache.metrics`, labelled ``engine="sglang"`` and ``tp_rank``) on
+  ``metrics_port + tp_rank`` (``0``: any free port, in ``metrics.port``);
+  ``metrics_addr`` is the address it binds (``0.0.0.0``). In Python,
+  ``metrics_registry`` (a ``prometheus_client.CollectorRegistry``) registers
+  the collector there instead of in a registry of the backend's own. Both
+  need ``tiercache[metrics]``; `close` stops the server and unregisters.
 
 **Keys.** SGLang's page keys are the ``get_hash_str`` chain, the same chain as
 tiercache's ``page_hashes``. Each is stored under
@@ -64,7 +71,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 from collections.abc import Coroutine, Mapping
 from dataclasses import asdict, dataclass
@@ -82,6 +88,8 @@ from tiercache.errors import (
 )
 from tiercache.index.hashing import StorageNamespace
 from tiercache.integrations._loop import LoopThread
+from tiercache.integrations._metrics import AdapterMetrics, MetricsOptions
+from tiercache.integrations._options import positive
 from tiercache.memory.layout import KVLayout
 from tiercache.memory.pages import PageBuffer
 from tiercache.storage import StorageBackend, open_backend
@@ -93,6 +101,8 @@ __all__ = ["AdapterStats", "SGLangOptions", "TierCacheStorage"]
 
 logger = logging.getLogger(__name__)
 
+#: Keys of the extra config that configure metrics (`MetricsOptions`).
+METRICS_KEYS = frozenset({"metrics_port", "metrics_addr", "metrics_registry"})
 #: Keys of the extra config that belong to SGLang, not to this backend.
 SGLANG_KEYS = frozenset(
     {"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"}
@@ -111,15 +121,12 @@ class _Skipped(StorageError):
 SUPPORTED_LAYOUTS = ("layer_first", "page_first")
 
 
+def _option(name: str) -> str:
+    return f"extra_config[{name!r}]"
+
+
 def _positive(name: str, value: object, *, integer: bool = False) -> float:
-    ok = isinstance(value, int) if integer else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok:
-        kind = "an int" if integer else "a number"
-        raise ConfigError(f"extra_config[{name!r}] must be {kind}, got {value!r}")
-    v = float(value)  # type: ignore[arg-type]
-    if not math.isfinite(v) or v <= 0:
-        raise ConfigError(f"extra_config[{name!r}] must be positive, got {value!r}")
-    return v
+    return positive(_option(name), value, integer=integer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +142,7 @@ class SGLangOptions:
     reconnect_backoff_s: float = 0.5
     reconnect_backoff_max_s: float = 30.0
     model_name: str | None = None
+    metrics: MetricsOptions = MetricsOptions()
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> SGLangOptions:
@@ -148,7 +156,12 @@ class SGLangOptions:
             extra = {}
         if not isinstance(extra, Mapping):
             raise ConfigError(f"the extra config must be a dict, got {type(extra).__name__}")
-        known = SGLANG_KEYS | {f for f in cls.__dataclass_fields__} | {"capacity_bytes"}
+        known = (
+            SGLANG_KEYS
+            | {f for f in cls.__dataclass_fields__ if f != "metrics"}
+            | {"capacity_bytes"}
+            | METRICS_KEYS
+        )
         for key in extra:
             if key not in known:
                 raise ConfigError(
@@ -203,6 +216,12 @@ class SGLangOptions:
             raise ConfigError(
                 f"extra_config['interface_v1'] must be 0 or 1, got {extra['interface_v1']!r}"
             )
+        kw["metrics"] = MetricsOptions.parse(
+            extra.get("metrics_port"),
+            extra.get("metrics_addr"),
+            extra.get("metrics_registry"),
+            option=_option,
+        )
         return cls(url=url, backend_options=backend_options, **kw)
 
 
@@ -364,6 +383,8 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._probe: asyncio.Task[None] | None = None
         self._stats_lock = threading.Lock()
         self._close_lock = threading.Lock()
+        #: The Prometheus metrics (``None`` unless ``metrics_port`` or ``metrics_registry``).
+        self.metrics: AdapterMetrics | None = None
         self._loop = LoopThread(name=f"tiercache-sglang-tp{self.tp_rank}")
         try:
             self.backend: StorageBackend = self._loop.run(
@@ -372,6 +393,21 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
             )
         except BaseException:
             self._loop.close()
+            raise
+        try:
+            if self.options.metrics.enabled:
+                self.metrics = AdapterMetrics(
+                    self.options.metrics,
+                    self._loop,
+                    labels={"engine": "sglang", "tp_rank": str(self.tp_rank)},
+                    rank=self.tp_rank,
+                    option=_option,
+                )
+                self.metrics.attach(self.backend)
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.close()
+            self._loop.close(self.backend.aclose(), timeout=self.options.open_timeout_s)
             raise
         logger.info(
             "tiercache storage for SGLang: %s, model %s, tp %d/%d",
@@ -725,7 +761,9 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return None
 
     def close(self) -> None:
-        """Close the backend, stop the loop and join its thread. Idempotent.
+        """Stop the metrics server, close the backend, stop the loop and join its thread.
+
+        Idempotent.
 
         Pending calls are cancelled; afterwards every call is a miss.
         """
@@ -733,6 +771,8 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if self._loop.closed:
                 return
             self._down = True
+            if self.metrics is not None:
+                self.metrics.close()
 
             async def drain() -> None:
                 if self._probe is not None:

@@ -59,6 +59,11 @@ that cannot be opened at start-up (server down) is retried at most every
 ``reopen_interval_s``; until then every lookup is a miss and every job fails.
 A Redis backend reconnects by itself once the server is back.
 
+**Metrics.** With ``metrics_port`` (or ``metrics_registry``) the tier registers
+`tiercache.metrics`' collector for its backend, labelled ``engine="vllm"`` and
+``tier=<tier type>``, once the backend is open; ``stats()`` is read on the
+tier's loop at each scrape. `shutdown` stops the server and unregisters it.
+
 This module imports vLLM: only vLLM's tier factory imports it (tiercache
 itself never does). It was written against vLLM 0.33.0, whose tiering API is
 marked experimental.
@@ -97,7 +102,9 @@ from tiercache.errors import (
     StorageTimeoutError,
     TierCacheError,
 )
-from tiercache.integrations._vllm_loop import LoopThread
+from tiercache.integrations._loop import LoopThread
+from tiercache.integrations._metrics import AdapterMetrics, MetricsOptions
+from tiercache.integrations._options import positive
 from tiercache.memory.pages import PageBuffer
 from tiercache.storage.base import PageKey, StorageBackend
 from tiercache.storage.registry import open_backend, redact_url
@@ -218,6 +225,13 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
             storage to be (tier filters, KV events).
         enable_kv_events: emit a stored-block `OffloadingEvent` for each
             successful store (when vLLM has KV events enabled).
+        metrics_port: serve Prometheus metrics of the storage backend
+            (`tiercache.metrics`, labelled ``engine="vllm"`` and
+            ``tier=<tier_type>``) on this port (``0``: any free port, in
+            ``metrics.port``); needs ``tiercache[metrics]``.
+        metrics_addr: the address the metrics server binds (default ``0.0.0.0``).
+        metrics_registry: a ``prometheus_client.CollectorRegistry`` to register
+            the collector in (programmatic use), instead of one of the tier's own.
 
     Raises:
         ConfigError: a bad option, URL or primary region.
@@ -245,6 +259,9 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         max_probe_batch: int = 4096,
         locality: str | None = None,
         enable_kv_events: bool = False,
+        metrics_port: int | None = None,
+        metrics_addr: str | None = None,
+        metrics_registry: Any = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if not isinstance(url, str) or not url:
@@ -254,12 +271,8 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
             ("open_timeout_s", open_timeout_s),
             ("reopen_interval_s", reopen_interval_s),
         ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ConfigError(f"{name} must be a positive number, got {value!r}")
-        if isinstance(max_probe_batch, bool) or not isinstance(max_probe_batch, int):
-            raise ConfigError(f"max_probe_batch must be an int, got {max_probe_batch!r}")
-        if max_probe_batch <= 0:
-            raise ConfigError(f"max_probe_batch must be positive, got {max_probe_batch}")
+            positive(name, value)
+        positive("max_probe_batch", max_probe_batch, integer=True)
         if backend_options is not None and not isinstance(backend_options, dict):
             raise ConfigError(f"backend_options must be a dict, got {backend_options!r}")
         if not isinstance(namespace, str):
@@ -269,6 +282,9 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         except ValueError:
             choices = [m.value for m in Locality]
             raise ConfigError(f"locality must be one of {choices}, got {locality!r}") from None
+        metrics_options = MetricsOptions.parse(
+            metrics_port, metrics_addr, metrics_registry, option=str
+        )
 
         view = primary_kv_view
         if view.ndim < 1 or view.strides is None or not view.c_contiguous:
@@ -325,11 +341,21 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         self._next_open = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
 
+        #: The Prometheus metrics (``None`` unless ``metrics_port`` or ``metrics_registry``);
+        #: the collector is registered once the backend is open.
+        self.metrics: AdapterMetrics | None = None
         self._loop = LoopThread(f"tiercache-vllm-{tier_type}")
         try:
-            self._loop.call(self._open_first(), timeout=self._open_timeout_s + 1.0)
+            if metrics_options.enabled:
+                self.metrics = AdapterMetrics(
+                    metrics_options,
+                    self._loop,
+                    labels={"engine": "vllm", "tier": tier_type},
+                    option=str,
+                )
+            self._loop.run(self._open_first(), timeout=self._open_timeout_s + 1.0)
         except ConfigError:
-            self._loop.close(timeout=self._open_timeout_s)
+            self._close_on_error()
             raise
         except TierCacheError as e:
             # Down at start-up: serve misses and retry the open later.
@@ -340,8 +366,13 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
                 e,
             )
         except BaseException:
-            self._loop.close(timeout=self._open_timeout_s)
+            self._close_on_error()
             raise
+
+    def _close_on_error(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        self._loop.close(self._close_backend(), timeout=self._open_timeout_s)
 
     # ------------------------------------------------------------------ keys
 
@@ -600,8 +631,10 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         futures += [fut for fut, _ in self._probe_futures]
         if futures:
             concurrent.futures.wait(futures, timeout=self._timeout_s)
+        if self.metrics is not None:
+            self.metrics.close()
         try:
-            self._loop.call(self._close_backend(), timeout=self._timeout_s + 5.0)
+            self._loop.run(self._close_backend(), timeout=self._timeout_s + 5.0)
         except BaseException as e:
             logger.warning("tiercache tier %r: closing the backend failed: %s", self.tier_type, e)
         if self._loop.close(timeout=self._timeout_s + 5.0):
@@ -646,6 +679,13 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
                 raise BackendUnavailableError("the tier is shut down")
             self._backend = backend
             logger.info("tiercache tier %r: backend %r open", self.tier_type, backend)
+            if self.metrics is not None:
+                try:
+                    self.metrics.attach(backend)
+                except ConfigError:
+                    if force:  # at construction: the tier is not made
+                        raise
+                    logger.exception("tiercache tier %r: metrics not registered", self.tier_type)
             return backend
 
     async def _guarded(
