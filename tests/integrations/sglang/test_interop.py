@@ -83,7 +83,9 @@ def test_a_tiercache_reads_pages_sglang_stored(
 
     async def read() -> list[bytes]:
         async with TierCache(_config(g, file_store)) as cache:
-            async with cache.request(tokens) as req:
+            # A request always leaves its last token to compute: ask for a
+            # continuation, so that every stored page is a prefix page.
+            async with cache.request([*tokens, 0]) as req:
                 assert req.cached_tokens == len(tokens)
                 slots = req.prefix_indices
                 await req.wait_loaded()
