@@ -4,7 +4,7 @@ vLLM (0.33) offloads KV blocks to a CPU tier it manages itself and cascades
 them to *secondary tiers* behind it (``vllm/v1/kv_offload/tiering/``).
 `TierCacheTier` is such a tier: it keeps blocks in any tiercache storage
 backend (``file:///...``, ``redis://...``, a plugin), in tiercache's page format
-(header with the key and the byte format, CRC-32 of the payload, first writer
+(header with the key and the byte format, XXH3-64 checksum of the payload, first writer
 wins), so a corrupt, truncated or foreign page is a miss, never wrong KV.
 
 vLLM loads it by module path, with no change to vLLM::
