@@ -467,7 +467,9 @@ class TierCache(AsyncResource):
                     if got is not None:
                         return got
                     short = need() - ctl.device_allocator.available
-                    if short > 0 and await self.evict_device(short) > 0:
+                    # Write-backs wait for host room only within this deadline.
+                    host_wait = max(0.0, deadline - loop.time())
+                    if short > 0 and await self._evict_device(short, host_wait) > 0:
                         continue  # freed some: try again at once
                     got = take()
                     if got is not None:
@@ -508,7 +510,7 @@ class TierCache(AsyncResource):
             and not ctl._inflight
             and not ctl._write_queue
             and not self._pending_loads
-            and not self._tasks
+            and len(self._tasks) <= len(self._deferred_writes)  # those free no device room
             and len(self._room_queue) <= 1
         )
 
@@ -567,8 +569,12 @@ class TierCache(AsyncResource):
         Raises:
             InvalidInputError: ``num_tokens`` is not a non-negative int.
         """
+        self._check()
+        return await self._evict_device(check_count(num_tokens), self.config.alloc_timeout_s)
+
+    async def _evict_device(self, num_tokens: int, host_wait_s: float) -> int:
+        """`evict_device`; a write back waits up to ``host_wait_s`` for host room."""
         ctl = self._check()
-        num_tokens = check_count(num_tokens)
         freed = 0
         if num_tokens == 0:
             return 0
@@ -577,7 +583,7 @@ class TierCache(AsyncResource):
                 continue
             if any(c.device_indices is not None for c in node.children.values()):
                 continue
-            if not node.on_host and not await self._write_back(node):
+            if not node.on_host and not await self._write_back(node, host_wait_s):
                 if node.children or node.lock_ref or node.host_pin or node.device_indices is None:
                     continue  # its host-only children need its pages: keep it
                 dev = node.device_indices
@@ -605,10 +611,10 @@ class TierCache(AsyncResource):
             self._stats.device_evicted_tokens += dev.numel()
         return freed
 
-    async def _write_back(self, node: Node) -> bool:
-        """Copy ``node`` to host (making room, waiting for it) and wait, before it leaves the device."""
+    async def _write_back(self, node: Node, host_wait_s: float) -> bool:
+        """Copy ``node`` to host (making room, waiting up to ``host_wait_s`` for it) and wait, before it leaves the device."""
         ctl = self.controller
-        if not await self._host_room(node.num_tokens, self.config.alloc_timeout_s):
+        if not await self._host_room(node.num_tokens, host_wait_s):
             return False
         ack = self._write_node(ctl, node)
         if ack is None:
@@ -1442,7 +1448,18 @@ class Request:
         self._released = False
 
     def layer_ready(self, layer: int) -> None:
-        """Block a worker thread until ``layer`` of the prefix is on the device (no-op when it is)."""
+        """Block a worker thread until ``layer`` of the prefix is on the device (no-op when it is).
+
+        Raises:
+            InvalidInputError: ``layer`` is not an int in ``[0, num_layers)``
+                (whether or not a load is pending: one answer for one input).
+            StateError: called on the event loop's own thread while a load
+                is pending (it would deadlock).
+            Exception: the load's error, if it failed.
+        """
+        n = self.cache.layout.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+            raise InvalidInputError(f"layer must be an int in [0, {n}), got {layer!r}")
         for h in self.loads:
             h.wait_layer(layer)
 
