@@ -990,17 +990,34 @@ class TierCache(AsyncResource):
 
         Raises:
             InvalidInputError: ``match`` is not a `CacheMatch`.
+            StateError: the index changed since ``match`` (its nodes were
+                evicted or flushed): match again.
             CapacityError: no device room for the host part (see `alloc_device`).
         """
         return await self._load_back(match, own=-1)
 
     async def _load_back(
-        self, match: CacheMatch, own: int
+        self, match: CacheMatch, own: int, *, fresh: bool = False
     ) -> tuple[torch.Tensor, LoadHandle | None]:
+        """`load_back`; ``fresh``: ``match`` was taken with no await since (nothing to check)."""
         ctl = self._check()
         if not isinstance(match, CacheMatch):
             raise InvalidInputError(f"match must be a CacheMatch, got {type(match).__name__}")
+        if match.host_tokens == 0 and fresh:
+            return match.device_indices, None
         if match.host_tokens == 0:
+            # Its slots are only the prefix's while the index still holds
+            # them there: a match from before an eviction or a flush names
+            # slots that may be free or another prefix's by now.
+            node = match.index.last_device_node
+            try:
+                now = self.index.match_prefix(
+                    self.index.prefix_tokens(node), match.extra_key, touch=False
+                ).device_indices
+            except StateError as e:
+                raise StateError("the index changed since this match: match again") from e
+            if not torch.equal(now, match.device_indices):
+                raise StateError("the index changed since this match: match again")
             return match.device_indices, None
         target = match.index.last_host_node
         try:
@@ -1312,7 +1329,7 @@ class TierCache(AsyncResource):
             finally:
                 self.unlock(held)
             m = self.match_prefix(key, extra_key)
-        prefix, handle = await self._load_back(m, own=-1)
+        prefix, handle = await self._load_back(m, own=-1, fresh=True)
         node = self.index.match_prefix(
             key[: prefix.numel()], extra_key, touch=False
         ).last_device_node

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tiercache import TierCache, TierCacheConfig
-from tiercache.errors import InvalidInputError
+from tiercache.errors import InvalidInputError, StateError
 
 PS = 16
 
@@ -54,3 +54,29 @@ async def test_layer_ready_accepts_every_layer() -> None:
                 req.layer_ready(layer)
             slots = await req.alloc(3)
             assert slots.dtype == torch.int64
+
+
+async def test_load_back_of_a_stale_match_is_refused_not_served_from_freed_slots() -> None:
+    """A match taken before an eviction or a flush named slots that were freed
+    meanwhile; `load_back` returned them as the prefix (KV that is not there)."""
+    async with TierCache(config()) as cache:
+        prompt = list(range(100, 132))
+        slots = await cache.alloc_device(32)
+        await cache.insert(prompt, slots)
+        fresh = cache.match_prefix(prompt)
+        assert fresh.device_tokens == 32 and fresh.host_tokens == 0
+        got, handle = await cache.load_back(fresh)
+        assert torch.equal(got, slots) and handle is None
+        await cache.wait_idle()
+        await cache.flush()
+        with pytest.raises(StateError, match="match again"):
+            await cache.load_back(fresh)
+        # Reinserted in other slots: the old match still names the old ones.
+        other = await cache.alloc_device(64)
+        await cache.insert(prompt, other[32:])
+        with pytest.raises(StateError, match="match again"):
+            await cache.load_back(fresh)
+        got, _ = await cache.load_back(cache.match_prefix(prompt))
+        assert torch.equal(got, other[32:])
+        cache.free_device(other[:32])
+        assert cache.stats().extra["device_free"] == 128 - 32
