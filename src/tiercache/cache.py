@@ -583,8 +583,20 @@ class TierCache(AsyncResource):
                 continue
             if any(c.device_indices is not None for c in node.children.values()):
                 continue
-            if not node.on_host and not await self._write_back(node, host_wait_s):
-                if node.children or node.lock_ref or node.host_pin or node.device_indices is None:
+            if (
+                not node.on_host
+                and not await self._write_back(node, host_wait_s)
+                # Written meanwhile by another task (a write-through that
+                # waited for host room): evicted below once it has landed.
+                and not (node.on_host or node.write_in_flight)
+            ):
+                if (
+                    node.children
+                    or node.lock_ref
+                    or node.host_pin
+                    or node.device_indices is None
+                    or node.parent is None
+                ):
                     continue  # its host-only children need its pages: keep it
                 dev = node.device_indices
                 self.index.remove(node)
@@ -599,6 +611,7 @@ class TierCache(AsyncResource):
                 or node.write_in_flight
                 or node.lock_ref
                 or node.device_indices is None
+                or node.parent is None
             ):
                 continue
             if any(c.device_indices is not None for c in node.children.values()):

@@ -198,3 +198,30 @@ async def test_a_cancelled_host_waiter_takes_nothing() -> None:
         await cache.wait_idle()
         assert await cache.evict_host(64) == 64
         assert cache.stats().extra["host_free"] == 64
+
+
+async def test_evicting_a_node_whose_write_through_waits_for_host_room_leaks_nothing() -> None:
+    """The eviction's write back and the waiting write-through race for one node.
+
+    Whichever writes it, the node must not be dropped with its host copy in
+    flight or landed (its host slots would be lost), and the accounting must
+    come back exact.
+    """
+    backend = GatedBackend()
+    async with TierCache(config()) as cache:
+        await cache.attach_storage(backend)
+        await pinned_host(cache, backend)
+        b = list(range(2000, 2064))
+        await put(cache, b, 2.0)  # its write-through waits for host room
+        evict = asyncio.ensure_future(cache.evict_device(256))  # writes B back first
+        await asyncio.sleep(0.02)
+        assert not evict.done()
+        backend.gate.set()
+        await evict
+        await cache.wait_idle()
+        await cache.evict_device(256)
+        await cache.wait_idle()
+        ctl = cache.controller
+        assert ctl.host_allocator.used == cache.index.total_host_tokens()
+        assert ctl.device_allocator.used == cache.index.total_device_tokens()
+        assert host_kv(cache, b) == 2.0
