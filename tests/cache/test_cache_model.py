@@ -17,8 +17,10 @@ Misuse is part of the model: refused calls (bad ids with storage attached,
 foreign or unallocated slots, bad counts and names) must change nothing;
 a commit of tokens that are not the request's is refused and the right one
 still goes through; concurrent requests for one host-only prefix (some
-cancelled) all get its exact KV; and a load back, or a device->host write,
-whose copy fails at some layer leaves no node claiming KV that did not land.
+cancelled, their prefetches rate limited in one variant) all get its exact
+KV; and a load back, or a device->host write, whose copy fails at some layer
+(before, part-way through or after queuing) leaves no node claiming KV that
+did not land.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class Held:
 
 class CacheModel(RuleBasedStateMachine):
     WRITE_POLICY = "write_through"
+    #: Host tokens prefetches may hold at once: concurrent ones past it are rate limited.
+    PREFETCH_CAPACITY: int | None = None
     LOOP_FACTORY: Callable[[], asyncio.AbstractEventLoop] = staticmethod(asyncio.new_event_loop)
 
     def __init__(self) -> None:
@@ -104,6 +108,7 @@ class CacheModel(RuleBasedStateMachine):
             write_through_threshold=2,
             model="model-test",
             alloc_timeout_s=0.0,  # the steps run one at a time: a held request never lets go
+            prefetch_capacity_tokens=self.PREFETCH_CAPACITY,
         )
         self.cache = TierCache(cfg)
         self.run(self.cache.open())
@@ -456,6 +461,8 @@ class CacheModel(RuleBasedStateMachine):
 
         async def go() -> None:
             await self.settle()
+            tier = cache.controller.storage
+            limited = 0 if tier is None else tier.stats.prefetch_rate_limited
             if not self.held:
                 await cache.evict_device(8 * PS)  # whatever is on host leaves the device
             # Concurrent requests wait for each other's room, briefly.
@@ -471,6 +478,8 @@ class CacheModel(RuleBasedStateMachine):
             finally:
                 cache.config = cache.config.replace(alloc_timeout_s=0.0)
             self.commit_model(tokens)  # a cancelled task may have committed already
+            if tier is not None and tier.stats.prefetch_rate_limited > limited:
+                event("a concurrent prefetch was rate limited")
             done = [r for r in results if isinstance(r, int)]
             for r in results:
                 if isinstance(r, CapacityError):
@@ -644,6 +653,7 @@ class CacheModelWriteBack(CacheModel):
 
 class CacheModelSelective(CacheModel):
     WRITE_POLICY = "write_through_selective"
+    PREFETCH_CAPACITY = 2 * PS
 
 
 TestCacheModelWriteThrough = CacheModel.TestCase
