@@ -563,8 +563,10 @@ class TierCache(AsyncResource):
 
         A node whose pages are on host just leaves the device. One that is not
         (``write_back``, or a host write that found no room) is written to host
-        first; if that fails it is dropped when nothing below it needs it, and
-        kept otherwise. Returns slots freed.
+        first, waiting up to ``config.alloc_timeout_s`` for host room that
+        copies in flight hold; if there is no room or the copy fails, it is
+        dropped when nothing below it needs it, and kept otherwise. Returns
+        slots freed.
 
         Raises:
             InvalidInputError: ``num_tokens`` is not a non-negative int.
@@ -754,7 +756,10 @@ class TierCache(AsyncResource):
         slots stay the caller's. Slots of the part already cached are freed
         here (unless they are the index's own: a request committing its
         prefix passes those back). Under ``write_through`` the new node is
-        written to host (and, once there, to storage when attached). When
+        written to host (and, once there, to storage when attached); when
+        copies in flight hold the host room, the write follows once they
+        release it (up to ``config.alloc_timeout_s``), without this call
+        waiting. When
         the cached part is still being loaded back, waits for that load
         first (nothing may be inserted on top of KV that has not landed).
 
