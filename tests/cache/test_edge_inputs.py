@@ -80,3 +80,16 @@ async def test_load_back_of_a_stale_match_is_refused_not_served_from_freed_slots
         assert torch.equal(got, other[32:])
         cache.free_device(other[:32])
         assert cache.stats().extra["device_free"] == 128 - 32
+
+
+@pytest.mark.parametrize("ready", ["stream", 1, object()])
+async def test_free_device_checks_ready_before_it_frees(ready: Any) -> None:
+    """``ready`` names the slots' last readers (CUDA); on a CPU pool anything but
+    ``None`` is refused, and the refused call frees nothing."""
+    async with TierCache(config()) as cache:
+        slots = await cache.alloc_device(32)
+        with pytest.raises(InvalidInputError, match="ready"):
+            cache.free_device(slots, ready=ready)
+        assert cache.controller.device_allocator.is_allocated(slots)
+        cache.free_device(slots, ready=None)
+        assert cache.stats().extra["device_free"] == 128
