@@ -28,7 +28,9 @@ Three rules hold at every verb:
   host tier and frees their slots once the copy has settled.
 - Device room that others hold is waited for, not failed on: one loop
   (`TierCache._take_room`) serves allocations first come, first served, up
-  to ``config.alloc_timeout_s``.
+  to ``config.alloc_timeout_s``. Host room that copies in flight hold is
+  waited for the same way (`TierCache._host_room`) by host writes and by
+  prefetches that may wait.
 """
 
 from __future__ import annotations
@@ -206,6 +208,10 @@ class TierCache(AsyncResource):
         # is set (and replaced) whenever room may have appeared.
         self._room_queue: deque[object] = deque()
         self._room_event = asyncio.Event()
+        # Tasks waiting for host room (`_host_room`), first come first served;
+        # woken by the same event. Nodes whose write-through waits for it.
+        self._host_queue: deque[object] = deque()
+        self._deferred_writes: set[int] = set()
         self._backups: set[BackupOperation] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._error: BaseException | None = None
@@ -357,7 +363,7 @@ class TierCache(AsyncResource):
         if self.config.write_policy == "write_through_selective":
             for n in self.index.path(m.last_device_node):
                 if n.hit_count >= self.config.write_through_threshold and not n.on_host:
-                    self._write_node(ctl, n)
+                    self._write_node(ctl, n, defer=True)
         return CacheMatch(m.device_indices, m.device_length, m.host_hit_length, rest, m, extra_key)
 
     @staticmethod
@@ -461,7 +467,9 @@ class TierCache(AsyncResource):
                     if got is not None:
                         return got
                     short = need() - ctl.device_allocator.available
-                    if short > 0 and await self.evict_device(short) > 0:
+                    # Write-backs wait for host room only within this deadline.
+                    host_wait = max(0.0, deadline - loop.time())
+                    if short > 0 and await self._evict_device(short, host_wait) > 0:
                         continue  # freed some: try again at once
                     got = take()
                     if got is not None:
@@ -502,25 +510,33 @@ class TierCache(AsyncResource):
             and not ctl._inflight
             and not ctl._write_queue
             and not self._pending_loads
-            and not self._tasks
+            and len(self._tasks) <= len(self._deferred_writes)  # those free no device room
             and len(self._room_queue) <= 1
         )
 
     def _notify_room(self) -> None:
-        """Wake the tasks waiting for device room (they check again)."""
-        if self._room_queue:
+        """Wake the tasks waiting for device or host room (they check again)."""
+        if self._room_queue or self._host_queue:
             event, self._room_event = self._room_event, asyncio.Event()
             event.set()
 
-    def free_device(self, indices: torch.Tensor) -> None:
+    def free_device(self, indices: torch.Tensor, *, ready: Ready = None) -> None:
         """Return device slots from `alloc_device` that were not inserted.
 
+        ``ready`` (CUDA): the last readers of those slots (kernels still
+        queued that read them), as an event or their stream; default: the
+        caller's current stream of the pool's device, recorded in this call.
+        The next load into any freed slot waits for it (see
+        `TierController.fence_device_reads`). On a CPU pool it must be ``None``.
+
         Raises:
-            InvalidInputError: not slots of this pool, or slots the index holds.
+            InvalidInputError: not slots of this pool, slots the index holds,
+                or a bad ``ready``.
             DoubleFreeError: slots that are not allocated.
             StateError: a copy of those slots is in flight.
         """
         ctl = self._check()
+        ready_ev = ctl.ready_event(ready, "free_device")  # checked before anything changes
         dev = check_slot_indices(
             indices, self.layout.page_size, ctl.device_pool.num_slots, "indices"
         )
@@ -530,7 +546,7 @@ class TierCache(AsyncResource):
             raise InvalidInputError(
                 "free_device: some of these slots belong to an open request (it frees them)"
             )
-        ctl.evict_device(dev)
+        ctl.evict_device(dev, ready=ready_ev)
         self._notify_room()
 
     def _pages(self, dev: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
@@ -547,14 +563,20 @@ class TierCache(AsyncResource):
 
         A node whose pages are on host just leaves the device. One that is not
         (``write_back``, or a host write that found no room) is written to host
-        first; if that fails it is dropped when nothing below it needs it, and
-        kept otherwise. Returns slots freed.
+        first, waiting up to ``config.alloc_timeout_s`` for host room that
+        copies in flight hold; if there is no room or the copy fails, it is
+        dropped when nothing below it needs it, and kept otherwise. Returns
+        slots freed.
 
         Raises:
             InvalidInputError: ``num_tokens`` is not a non-negative int.
         """
+        self._check()
+        return await self._evict_device(check_count(num_tokens), self.config.alloc_timeout_s)
+
+    async def _evict_device(self, num_tokens: int, host_wait_s: float) -> int:
+        """`evict_device`; a write back waits up to ``host_wait_s`` for host room."""
         ctl = self._check()
-        num_tokens = check_count(num_tokens)
         freed = 0
         if num_tokens == 0:
             return 0
@@ -563,8 +585,20 @@ class TierCache(AsyncResource):
                 continue
             if any(c.device_indices is not None for c in node.children.values()):
                 continue
-            if not node.on_host and not await self._write_back(node):
-                if node.children or node.lock_ref or node.host_pin or node.device_indices is None:
+            if (
+                not node.on_host
+                and not await self._write_back(node, host_wait_s)
+                # Written meanwhile by another task (a write-through that
+                # waited for host room): evicted below once it has landed.
+                and not (node.on_host or node.write_in_flight)
+            ):
+                if (
+                    node.children
+                    or node.lock_ref
+                    or node.host_pin
+                    or node.device_indices is None
+                    or node.parent is None
+                ):
                     continue  # its host-only children need its pages: keep it
                 dev = node.device_indices
                 self.index.remove(node)
@@ -579,6 +613,7 @@ class TierCache(AsyncResource):
                 or node.write_in_flight
                 or node.lock_ref
                 or node.device_indices is None
+                or node.parent is None
             ):
                 continue
             if any(c.device_indices is not None for c in node.children.values()):
@@ -591,23 +626,88 @@ class TierCache(AsyncResource):
             self._stats.device_evicted_tokens += dev.numel()
         return freed
 
-    async def _write_back(self, node: Node) -> bool:
-        """Copy ``node`` to host (making room) and wait, before it leaves the device."""
+    async def _write_back(self, node: Node, host_wait_s: float) -> bool:
+        """Copy ``node`` to host (making room, waiting up to ``host_wait_s`` for it) and wait, before it leaves the device."""
         ctl = self.controller
-        if not await self._ensure_host(node.num_tokens):
+        if not await self._host_room(node.num_tokens, host_wait_s):
             return False
         ack = self._write_node(ctl, node)
         if ack is None:
             return False
         self._stats.write_backs += 1
-        await ack
+        try:
+            await ack
+        except Exception as e:
+            # The copy has settled and `_write_done` (its first callback) has
+            # dropped the host copy: the node is device-only, as before.
+            logger.warning("a write back of %d tokens failed: %r", node.num_tokens, e)
+            return False
         return node.on_host and not node.write_in_flight
 
-    async def _ensure_host(self, num_tokens: int) -> bool:
+    def _make_host_room(self, num_tokens: int) -> bool:
+        """Evict LRU host-only nodes until ``num_tokens`` host slots are free; whether they are."""
         ctl = self.controller
         if ctl.host_allocator.available < num_tokens:
             self._evict_host_now(num_tokens - ctl.host_allocator.available)
         return ctl.host_allocator.available >= num_tokens
+
+    def _host_will_free(self) -> bool:
+        """Whether something in flight may release host room: a device->host copy
+        (a failed one frees its slots; a finished one may become evictable), a
+        storage backup (it pins its nodes), a prefetch (it holds its slots) or a
+        load back (it locks its nodes)."""
+        ctl = self.controller
+        return bool(
+            ctl._inflight
+            or ctl._write_queue
+            or self._backups
+            or self._pending_loads
+            or (ctl.storage is not None and ctl.storage.busy)
+        )
+
+    async def _host_room(self, num_tokens: int, wait_s: float) -> bool:
+        """Make ``num_tokens`` host slots free, waiting up to ``wait_s`` seconds for room that copies hold.
+
+        Host room that no copy, backup, prefetch or load holds is made by
+        evicting LRU host-only nodes, at once. When that is not enough and
+        something in flight may release host room (`_host_will_free`), the
+        caller waits for it: first come, first served (only the head of the
+        queue evicts), cancellable (a cancelled waiter takes nothing). With
+        ``wait_s <= 0`` it only tries once, without queueing.
+
+        Returns:
+            Whether the room is free now; the caller allocates it before its
+            next ``await``.
+        """
+        if wait_s <= 0 or not self._host_queue:
+            if self._make_host_room(num_tokens):
+                return True
+            if wait_s <= 0 or num_tokens > self.controller.host_allocator.num_slots:
+                return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        ticket = object()
+        self._host_queue.append(ticket)
+        try:
+            while True:
+                if self.state is not CacheState.OPEN:
+                    return False
+                if self._host_queue[0] is ticket:
+                    if self._make_host_room(num_tokens):
+                        return True
+                    if not self._host_will_free():
+                        return False
+                left = deadline - loop.time()
+                if left <= 0:
+                    return False
+                event = self._room_event
+                try:
+                    await asyncio.wait_for(event.wait(), min(left, _ROOM_POLL_S))
+                except TimeoutError:
+                    pass
+        finally:
+            self._host_queue.remove(ticket)
+            self._notify_room()  # the next in line may go now
 
     async def evict_host(self, num_tokens: int) -> int:
         """Drop LRU host-only nodes (not pinned or locked) to free ``num_tokens`` host slots.
@@ -656,7 +756,10 @@ class TierCache(AsyncResource):
         slots stay the caller's. Slots of the part already cached are freed
         here (unless they are the index's own: a request committing its
         prefix passes those back). Under ``write_through`` the new node is
-        written to host (and, once there, to storage when attached). When
+        written to host (and, once there, to storage when attached); when
+        copies in flight hold the host room, the write follows once they
+        release it (up to ``config.alloc_timeout_s``), without this call
+        waiting. When
         the cached part is still being loaded back, waits for that load
         first (nothing may be inserted on top of KV that has not landed).
 
@@ -733,6 +836,8 @@ class TierCache(AsyncResource):
             dup = dev[: result.prefix_len].view(-1, ps)
             differ = ~same[: result.prefix_len // ps]
             if bool(differ.any()):
+                # The producer may still be writing them: the next load waits.
+                ctl.fence_device_reads(ready_ev)
                 ctl.device_allocator.free(dup[differ].reshape(-1), checked=True)
                 self._notify_room()
         self._set_index_pages(dev[result.prefix_len :], True)
@@ -741,7 +846,7 @@ class TierCache(AsyncResource):
         self._stats.tokens_inserted += n - result.prefix_len
         node = result.node
         if node is not None and self.config.write_policy == "write_through":
-            self._write_node(ctl, node, ready=ready_ev)
+            self._write_node(ctl, node, ready=ready_ev, defer=True)
         # Reattached host-only nodes already have a host copy: nothing to write.
         return result.prefix_len
 
@@ -768,22 +873,65 @@ class TierCache(AsyncResource):
                     ) from e
 
     def _write_node(
-        self, ctl: TierController, node: Node, *, ready: Ready = None
+        self, ctl: TierController, node: Node, *, ready: Ready = None, defer: bool = False
     ) -> CopyAck | None:
-        """Start a device->host write of ``node``; its storage backup follows the ack."""
+        """Start a device->host write of ``node``; its storage backup follows the ack.
+
+        With ``defer`` (write-through), a host that is short only because
+        copies, backups, prefetches or loads in flight hold its room does not
+        leave the node device-only: a background task waits for the room (see
+        `_host_room`, up to ``config.alloc_timeout_s``) and writes it then.
+        """
         if node.on_host or node.device_indices is None or node.write_in_flight:
+            return None
+        if defer and self._host_queue:
+            self._defer_write(node, ready)  # others wait for host room first
             return None
         short = node.num_tokens - ctl.host_allocator.available
         if short > 0:
             # Make room on host by dropping LRU host-only nodes (those backed
             # up to storage can come back from there).
             self._evict_host_now(short)
+        if defer and ctl.host_allocator.available < node.num_tokens:
+            self._defer_write(node, ready)
+            return None
         ack = ctl.submit_write(node.device_indices, node_id=node.id, track=False, ready=ready)
         if ack is None:
             return None  # host full: the node stays device-only
         wid = self.index.begin_write(node, ack.host_indices)
         ack.add_done_callback(lambda a: self._write_done(wid, a))
         return ack
+
+    def _defer_write(self, node: Node, ready: Ready) -> None:
+        """Write ``node`` (and device-only nodes above it) once host room frees."""
+        if (
+            node.id in self._deferred_writes
+            or self.config.alloc_timeout_s <= 0
+            or node.num_tokens > self.controller.host_allocator.num_slots
+            or not (self._host_will_free() or self._host_queue)
+        ):
+            self.controller.stats.host_full += 1
+            return  # nothing will free host room: the node stays device-only
+        self._deferred_writes.add(node.id)
+
+        async def write() -> None:
+            try:
+                if not await self._host_room(node.num_tokens, self.config.alloc_timeout_s):
+                    return
+                if self.state is not CacheState.OPEN or node.parent is None:
+                    return
+                ctl = self.controller
+                # A split meanwhile moved part of the key into a new parent:
+                # write every device-only node of the path, top down.
+                for n in self.index.path(node):
+                    if not n.on_host and n.device_indices is not None and not n.write_in_flight:
+                        if not self._make_host_room(n.num_tokens):
+                            return
+                        self._write_node(ctl, n, ready=ready)
+            finally:
+                self._deferred_writes.discard(node.id)
+
+        self._spawn(write())
 
     def _write_done(self, wid: int, ack: CopyAck) -> None:
         ctl = self._controller
@@ -793,6 +941,7 @@ class TierCache(AsyncResource):
             nodes = self.index.finish_write(wid, ok=not ack.failed())
         except StateError:  # flushed meanwhile
             return
+        self._notify_room()  # host room may have freed (or become evictable)
         if ack.failed():
             ctl.host_allocator.free(ack.host_indices)
             return
@@ -822,6 +971,7 @@ class TierCache(AsyncResource):
                 if op.succeeded:
                     node.backuped_storage = True
                     self._stats.storage_backups += 1
+                self._notify_room()  # an unpinned host-only node may be evicted now
 
         self._spawn(wait())
 
@@ -858,17 +1008,34 @@ class TierCache(AsyncResource):
 
         Raises:
             InvalidInputError: ``match`` is not a `CacheMatch`.
+            StateError: the index changed since ``match`` (its nodes were
+                evicted or flushed): match again.
             CapacityError: no device room for the host part (see `alloc_device`).
         """
         return await self._load_back(match, own=-1)
 
     async def _load_back(
-        self, match: CacheMatch, own: int
+        self, match: CacheMatch, own: int, *, fresh: bool = False
     ) -> tuple[torch.Tensor, LoadHandle | None]:
+        """`load_back`; ``fresh``: ``match`` was taken with no await since (nothing to check)."""
         ctl = self._check()
         if not isinstance(match, CacheMatch):
             raise InvalidInputError(f"match must be a CacheMatch, got {type(match).__name__}")
+        if match.host_tokens == 0 and fresh:
+            return match.device_indices, None
         if match.host_tokens == 0:
+            # Its slots are only the prefix's while the index still holds
+            # them there: a match from before an eviction or a flush names
+            # slots that may be free or another prefix's by now.
+            node = match.index.last_device_node
+            try:
+                now = self.index.match_prefix(
+                    self.index.prefix_tokens(node), match.extra_key, touch=False
+                ).device_indices
+            except StateError as e:
+                raise StateError("the index changed since this match: match again") from e
+            if not torch.equal(now, match.device_indices):
+                raise StateError("the index changed since this match: match again")
             return match.device_indices, None
         target = match.index.last_host_node
         try:
@@ -1016,13 +1183,22 @@ class TierCache(AsyncResource):
         fetched prefix is inserted into the index as host-only nodes; host
         pages duplicating existing nodes are freed.
 
+        Host room: LRU host-only nodes are evicted for it. When copies,
+        backups, prefetches or loads in flight hold the rest, ``wait_complete``
+        waits up to ``config.alloc_timeout_s`` and ``timeout`` within its own
+        deadline; ``best_effort`` does not wait, nor does any policy with a
+        TP group (every rank must reach the agreement in call order). A rank
+        that finds no room still joins the TP hit-count agreement (with 0
+        hits, so no rank loads the prefix) and returns 0.
+
         Returns:
             Tokens fetched and inserted (0 without storage, under the
-            threshold, or on any storage failure).
+            threshold, without host room, or on any storage failure).
 
         Raises:
             InvalidInputError: bad tokens, a ``match`` that is not a
                 `CacheMatch`, or an unknown ``policy``.
+            StateError: ``match`` names a node no longer in the index.
         """
         ctl = self._check()
         toks = self._tokens(tokens)
@@ -1037,10 +1213,29 @@ class TierCache(AsyncResource):
             return 0
         start = match.index.matched_length
         parent = match.index.last_node
-        if not await self._ensure_host(n):
-            return 0
-        host = ctl.host_allocator.alloc(n)
+        # Host room that copies in flight hold is waited for, except by a
+        # best-effort prefetch (it must not stall the request it serves) and
+        # under TP (every rank must reach the agreement in the same order).
+        if policy == "best_effort" or self._tp_group is not None:
+            wait = 0.0
+        elif policy == "timeout":
+            wait = min(self.config.prefetch_timeout(n), self.config.alloc_timeout_s)
+        else:
+            wait = self.config.alloc_timeout_s
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        if not parent.is_root:
+            self.index.lock(parent)  # nothing may evict it while we wait
+        try:
+            room = await self._host_room(n, wait)
+        finally:
+            if not parent.is_root:
+                self.index.unlock(parent)
+        host = ctl.host_allocator.alloc(n) if room else None
         if host is None:
+            # This rank cannot take part; with a TP group it still joins the
+            # hit-count agreement (with 0), or the other ranks would block in it.
+            ctl.abstain_prefetch()
             return 0
         if not parent.is_root:
             self.index.pin_host(parent)
@@ -1053,7 +1248,7 @@ class TierCache(AsyncResource):
         self._stats.prefetches += 1
         settle = self._settle_prefetch(ctl, op, toks[start : start + n], parent, match.extra_key)
         try:
-            await self._wait_policy(op, policy, n)
+            await self._wait_policy(op, policy, n, spent=loop.time() - began)
         except BaseException:
             # Cancelled while waiting: finish on our own so the fetched pages
             # are kept (or freed) and nothing stays held.
@@ -1092,13 +1287,17 @@ class TierCache(AsyncResource):
         self._stats.tokens_storage_hit += done - res.prefix_len
         return done
 
-    async def _wait_policy(self, op: PrefetchOperation, policy: str, num_tokens: int) -> None:
+    async def _wait_policy(
+        self, op: PrefetchOperation, policy: str, num_tokens: int, spent: float = 0.0
+    ) -> None:
+        """Wait for ``op`` as ``policy`` says; ``spent``: seconds the timeout already used."""
         if policy == "wait_complete":
             await op
         elif policy == "timeout":
             try:
                 await asyncio.wait_for(
-                    asyncio.shield(op._done), self.config.prefetch_timeout(num_tokens)
+                    asyncio.shield(op._done),
+                    max(0.0, self.config.prefetch_timeout(num_tokens) - spent),
                 )
             except TimeoutError:
                 pass
@@ -1148,7 +1347,7 @@ class TierCache(AsyncResource):
             finally:
                 self.unlock(held)
             m = self.match_prefix(key, extra_key)
-        prefix, handle = await self._load_back(m, own=-1)
+        prefix, handle = await self._load_back(m, own=-1, fresh=True)
         node = self.index.match_prefix(
             key[: prefix.numel()], extra_key, touch=False
         ).last_device_node
@@ -1284,7 +1483,18 @@ class Request:
         self._released = False
 
     def layer_ready(self, layer: int) -> None:
-        """Block a worker thread until ``layer`` of the prefix is on the device (no-op when it is)."""
+        """Block a worker thread until ``layer`` of the prefix is on the device (no-op when it is).
+
+        Raises:
+            InvalidInputError: ``layer`` is not an int in ``[0, num_layers)``
+                (whether or not a load is pending: one answer for one input).
+            StateError: called on the event loop's own thread while a load
+                is pending (it would deadlock).
+            Exception: the load's error, if it failed.
+        """
+        n = self.cache.layout.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+            raise InvalidInputError(f"layer must be an int in [0, {n}), got {layer!r}")
         for h in self.loads:
             h.wait_layer(layer)
 

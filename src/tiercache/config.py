@@ -80,7 +80,10 @@ class TierCacheConfig:
         alloc_timeout_s: how long `TierCache.alloc_device`, `Request.alloc` and
         a load back wait for device room that other requests or copies hold
         (first come, first served) before raising `CapacityError`; ``0``
-        fails at once. A call that can never fit fails at once.
+        fails at once. A call that can never fit fails at once. Also how
+        long a host write (write-through, write-back eviction) or a
+        ``wait_complete`` prefetch waits for host room that copies,
+        backups, prefetches or loads in flight hold.
         storage_fault_policy: after ``storage_fault_threshold`` consecutive
         failed backend calls, ``auto_reconnect`` (default) stops calling the
         backend — prefetches miss at once, backups are skipped — and probes it

@@ -17,8 +17,10 @@ Misuse is part of the model: refused calls (bad ids with storage attached,
 foreign or unallocated slots, bad counts and names) must change nothing;
 a commit of tokens that are not the request's is refused and the right one
 still goes through; concurrent requests for one host-only prefix (some
-cancelled) all get its exact KV; and a load back whose copy fails at some
-layer leaves no node claiming KV that did not land.
+cancelled, their prefetches rate limited in one variant) all get its exact
+KV; and a load back, or a device->host write, whose copy fails at some layer
+(before, part-way through or after queuing) leaves no node claiming KV that
+did not land.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class Held:
 
 class CacheModel(RuleBasedStateMachine):
     WRITE_POLICY = "write_through"
+    #: Host tokens prefetches may hold at once: concurrent ones past it are rate limited.
+    PREFETCH_CAPACITY: int | None = None
     LOOP_FACTORY: Callable[[], asyncio.AbstractEventLoop] = staticmethod(asyncio.new_event_loop)
 
     def __init__(self) -> None:
@@ -104,6 +108,7 @@ class CacheModel(RuleBasedStateMachine):
             write_through_threshold=2,
             model="model-test",
             alloc_timeout_s=0.0,  # the steps run one at a time: a held request never lets go
+            prefetch_capacity_tokens=self.PREFETCH_CAPACITY,
         )
         self.cache = TierCache(cfg)
         self.run(self.cache.open())
@@ -456,6 +461,8 @@ class CacheModel(RuleBasedStateMachine):
 
         async def go() -> None:
             await self.settle()
+            tier = cache.controller.storage
+            limited = 0 if tier is None else tier.stats.prefetch_rate_limited
             if not self.held:
                 await cache.evict_device(8 * PS)  # whatever is on host leaves the device
             # Concurrent requests wait for each other's room, briefly.
@@ -471,6 +478,8 @@ class CacheModel(RuleBasedStateMachine):
             finally:
                 cache.config = cache.config.replace(alloc_timeout_s=0.0)
             self.commit_model(tokens)  # a cancelled task may have committed already
+            if tier is not None and tier.stats.prefetch_rate_limited > limited:
+                event("a concurrent prefetch was rate limited")
             done = [r for r in results if isinstance(r, int)]
             for r in results:
                 if isinstance(r, CapacityError):
@@ -524,6 +533,66 @@ class CacheModel(RuleBasedStateMachine):
         self.consistent()
         # The retry loads it again and serves the right KV.
         self.run(self._serve(tokens, hold=False, commit=False))
+
+    @rule(
+        tokens=SEQS,
+        layer=st.integers(0, 2),
+        phase=st.sampled_from(["before", "partial", "after"]),
+    )
+    def failed_write(self, tokens: tuple[int, ...], layer: int, phase: str) -> None:
+        """Device->host copies fail while ``tokens`` is committed and the device evicted.
+
+        ``before``: the job raises before it queues any copy; ``partial``: after
+        copying the layers below ``layer`` of each buffer (bytes landed on host
+        for part of the KV); ``after``: after every copy was queued. No host
+        slot is freed while a copy still counts on it, the index claims no host
+        copy that did not land (the invariants check every host page's
+        bytes), and a retry serves and writes the right KV.
+        """
+        cache = self.cache
+        ctl = cache.controller
+        engine = ctl.engine
+        lay = cache.layout
+        failures: list[int] = []
+
+        def backup_all_layers(plan: Any) -> None:
+            if phase == "partial":
+                for b in range(lay.num_buffers):
+                    for i in range(min(layer, lay.num_layers)):
+                        engine._backup_layer(b, i, plan)
+            elif phase == "after":
+                CopyEngine.backup_all_layers(engine, plan)
+            failures.append(plan.num_tokens)
+            raise RuntimeError("injected copy failure")
+
+        host = ctl.host_allocator
+        real_free = host.free
+
+        def free(indices: torch.Tensor, *, checked: bool = False) -> None:
+            assert not ctl.ack_busy("host", indices), "host slots freed before their copy settled"
+            real_free(indices, checked=checked)
+
+        async def go() -> None:
+            await self.settle()
+            engine.backup_all_layers = backup_all_layers  # type: ignore[method-assign]
+            host.free = free  # type: ignore[method-assign]
+            try:
+                await self._serve(tokens, hold=False, commit=True)
+                await self.settle()
+                if not self.held:
+                    # write_back writes on eviction: those copies fail here.
+                    await cache.evict_device(8 * PS)
+                await self.settle()
+            finally:
+                del engine.backup_all_layers
+                del host.free
+            if failures:
+                event("a device->host copy failed")
+
+        self.run(go())
+        self.consistent()
+        # The retry serves the right KV (checked in _serve); its writes land.
+        self.run(self._serve(tokens, hold=False, commit=True))
 
     # -- invariants -------------------------------------------------------------
 
@@ -584,6 +653,7 @@ class CacheModelWriteBack(CacheModel):
 
 class CacheModelSelective(CacheModel):
     WRITE_POLICY = "write_through_selective"
+    PREFETCH_CAPACITY = 2 * PS
 
 
 TestCacheModelWriteThrough = CacheModel.TestCase
