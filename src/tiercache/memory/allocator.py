@@ -13,6 +13,10 @@ from tiercache.errors import DoubleFreeError, InvalidInputError
 __all__ = ["PageAllocator", "check_slot_indices"]
 
 
+#: Up to this many slots, `check_slot_indices` checks them as Python ints.
+_SMALL = 256
+
+
 def check_slot_indices(
     indices: object, page_size: int, num_slots: int, what: str = "indices"
 ) -> torch.Tensor:
@@ -43,6 +47,20 @@ def check_slot_indices(
     # numpy, not torch: an operation checks a handful of pages, where each
     # torch op costs several microseconds and numpy's about one.
     a = cpu.numpy()
+    if n <= _SMALL:  # a few pages: plain Python ints beat numpy's per-call cost
+        slots = a.tolist()
+        lo, hi = min(slots), max(slots)
+        if lo < 0 or hi >= num_slots:
+            raise InvalidInputError(f"{what} out of range [0, {num_slots}): min {lo}, max {hi}")
+        for start in range(0, n, page_size):
+            first = slots[start]
+            if first % page_size or slots[start : start + page_size] != list(
+                range(first, first + page_size)
+            ):
+                raise InvalidInputError(
+                    f"{what} are not page-aligned runs of page_size={page_size} slots"
+                )
+        return cpu
     lo, hi = int(a.min()), int(a.max())
     if lo < 0 or hi >= num_slots:
         raise InvalidInputError(f"{what} out of range [0, {num_slots}): min {lo}, max {hi}")
