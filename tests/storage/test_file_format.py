@@ -310,3 +310,19 @@ def test_the_default_thread_count_fits_the_cpus() -> None:
     assert default_concurrency() == max(2, min(16, cpus))
     assert FileBackend("/nonexistent-tiercache-root").max_concurrency == default_concurrency()
     assert FileBackend("/nonexistent-tiercache-root", max_concurrency=3).max_concurrency == 3
+
+
+async def test_a_flipped_byte_in_the_header_padding_is_caught(tmp_path: Path) -> None:
+    (k,) = keys(1)
+    page = random_page()
+    async with await FileBackend.open(tmp_path / "store") as b:
+        assert await b.batch_set([k], [page]) == [True]
+        raw = await b.read_raw(k)
+        assert raw is not None and decode_header(raw).header_len == 4096
+        damaged = bytearray(raw)
+        damaged[4000] ^= 0xFF  # in the zero padding between the key and the payload
+        await b.write_raw(k, bytes(damaged))
+        dst = PageBuffer.allocate(page.nbytes, page.format)
+        assert await b.batch_get([k], [dst]) == [False]
+        assert (await b.stats()).corrupt_pages == 1
+        assert dst.tobytes() == bytes(page.nbytes)  # a bad header never touches the page

@@ -687,7 +687,8 @@ class FileBackend(StorageBackend):
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return f"{_kind(st.st_mode)} stands where the page should be"
-        head = os.pread(fd, header_size(key, page.format), 0)  # up to the key, not the padding
+        # As long as this backend's own headers (a file with more padding fails its checks).
+        head = os.pread(fd, header_size(key, page.format, _ALIGN), 0)
         if is_older_version(head):
             return "stale: a page of an older format version"
         # Decode what is there first: a wrong key or format says more than a size.

@@ -12,7 +12,7 @@ trusted::
     10        2     padding after the key              (P)
     12        8     payload length in bytes
     20        8     XXH3-64 of the payload
-    28        8     XXH3-64 of bytes 0..27 plus format and key
+    28        8     XXH3-64 of bytes 0..27 plus format, key and padding
     36        F     page format (layout, dtype, shape, host layout; UTF-8)
     36+F      K     page key (UTF-8)
     36+F+K    P     zeros
@@ -23,7 +23,8 @@ pads the header to 4 KiB (``align=4096``), so that the payload of a page file
 sits on page-cache page boundaries and a read copies it into a page-aligned
 host page with source and destination equally aligned (with the payload at an
 odd offset the same ``preadv`` costs about 1.5x as much); the Redis backend
-stores no padding (``align=1``).
+stores no padding (``align=1``). The header checksum covers the padding too,
+so that every stored byte is checked.
 
 The key inside the header means a file renamed or swapped under another key
 is detected; the format means a page of another model, dtype or layout is
@@ -93,10 +94,13 @@ def page_checksum(page: PageBuffer) -> int:
     return int(h.intdigest())
 
 
-def _header_sum(fixed: bytes | memoryview, fmt_b: bytes, key_b: bytes) -> int:
+def _header_sum(
+    fixed: bytes | memoryview, fmt_b: bytes, key_b: bytes, padding: bytes | memoryview
+) -> int:
     h = xxhash.xxh3_64(fixed)
     h.update(fmt_b)
     h.update(key_b)
+    h.update(padding)
     return int(h.intdigest())
 
 
@@ -130,7 +134,8 @@ def encode_header(
     if pad > 0xFFFF:
         raise ValueError(f"cannot pad a page header to a multiple of {align} bytes")
     fixed = _FIXED.pack(MAGIC, VERSION, len(fmt_b), len(key_b), pad, payload_len, payload_sum)
-    return fixed + _SUM.pack(_header_sum(fixed, fmt_b, key_b)) + fmt_b + key_b + bytes(pad)
+    padding = bytes(pad)
+    return fixed + _SUM.pack(_header_sum(fixed, fmt_b, key_b, padding)) + fmt_b + key_b + padding
 
 
 def is_older_version(data: bytes | bytearray | memoryview) -> bool:
@@ -145,9 +150,8 @@ def is_older_version(data: bytes | bytearray | memoryview) -> bool:
 def decode_header(data: bytes | bytearray | memoryview) -> PageHeader:
     """Parse and verify a header at the start of ``data``.
 
-    ``data`` needs to hold the header up to the key; the padding after it is
-    not read. The result's ``header_len`` is the payload's offset, padding
-    included.
+    ``data`` needs to hold the whole header, padding included (the header
+    checksum covers it). The result's ``header_len`` is the payload's offset.
 
     Raises:
         StorageCorruptionError: bad magic, version, lengths or header checksum,
@@ -163,11 +167,11 @@ def decode_header(data: bytes | bytearray | memoryview) -> PageHeader:
         raise StorageCorruptionError(f"unsupported page format version {version}")
     (hsum,) = _SUM.unpack_from(mv, _FIXED.size)
     end = HEADER_FIXED + flen + klen
-    if mv.nbytes < end:
+    if mv.nbytes < end + pad:
         raise StorageCorruptionError("page header truncated")
     fmt_b = bytes(mv[HEADER_FIXED : HEADER_FIXED + flen])
     key_b = bytes(mv[HEADER_FIXED + flen : end])
-    if _header_sum(bytes(mv[: _FIXED.size]), fmt_b, key_b) != hsum:
+    if _header_sum(bytes(mv[: _FIXED.size]), fmt_b, key_b, mv[end : end + pad]) != hsum:
         raise StorageCorruptionError("page header checksum mismatch")
     try:
         return PageHeader(key_b.decode(), fmt_b.decode(), plen, psum, end + pad)
