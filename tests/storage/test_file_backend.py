@@ -223,7 +223,7 @@ async def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
         assert await b.batch_exists([ks[0], ks[2], ks[3]]) == 3
         s = await b.stats()
         assert s.evictions == 1 and s.extra["bytes"] == 3 * size
-        assert await b.batch_set(keys(1), [random_page(4 * 512)]) == [
+        assert await b.batch_set(keys(1), [random_page(3 * size)]) == [
             False
         ]  # larger than the store
         assert len(await asyncio.to_thread(all_files, root)) == 3

@@ -23,7 +23,14 @@ from tests.storage.storage_helpers import FORMAT, keys, random_page
 from tiercache.memory import PageBuffer
 from tiercache.storage import file as file_module
 from tiercache.storage.file import FileBackend, default_concurrency, shard_dir
-from tiercache.storage.format import VERSION, decode_header, is_older_version, pack_page
+from tiercache.storage.format import (
+    VERSION,
+    decode_header,
+    header_size,
+    is_older_version,
+    pack_page,
+    unpack_page,
+)
 
 LOGGER = "tiercache.storage.file"
 
@@ -43,15 +50,73 @@ def version1_blob(key: str, page: PageBuffer) -> bytes:
     return fixed + struct.pack("<I", hcrc) + fmt_b + key_b + payload
 
 
-def test_the_format_version_is_2_and_older_pages_are_told_apart() -> None:
+def version2_blob(key: str, page: PageBuffer) -> bytes:
+    """A page as format version 2 wrote it: XXH3-64, no padding between the key and payload."""
+    blob = bytearray(b"".join(bytes(p) for p in pack_page(key, page)))
+    struct.pack_into("<H", blob, 4, 2)
+    return bytes(blob)
+
+
+def test_the_format_version_is_3_and_older_pages_are_told_apart() -> None:
     (k,) = keys(1)
     page = random_page()
-    assert VERSION == 2
+    assert VERSION == 3
     current = b"".join(bytes(p) for p in pack_page(k, page))
     assert decode_header(current).key == k
     assert not is_older_version(current)
     assert is_older_version(version1_blob(k, page))
+    assert is_older_version(version2_blob(k, page))
     assert not is_older_version(b"junk" + bytes(40))
+
+
+@pytest.mark.parametrize("align", [1, 64, 4096])
+def test_a_padded_header_puts_the_payload_at_a_multiple_of_align(align: int) -> None:
+    (k,) = keys(1)
+    page = random_page()
+    header, *segments = pack_page(k, page, align)
+    assert len(header) == header_size(k, page.format, align)
+    assert len(header) % align == 0
+    h = decode_header(header)
+    assert h.header_len == len(header)
+    blob = bytes(header) + b"".join(bytes(s) for s in segments)
+    dst = PageBuffer.allocate(page.nbytes, page.format)
+    unpack_page(k, blob, dst)
+    assert dst.tobytes() == page.tobytes()
+
+
+async def test_page_files_keep_their_payload_on_a_4_kib_boundary(tmp_path: Path) -> None:
+    ks = keys(2)
+    pages = [random_page() for _ in ks]
+    async with await FileBackend.open(tmp_path / "store") as b:
+        assert await b.batch_set(ks, pages) == [True, True]
+        for k, p in zip(ks, pages, strict=True):
+            raw = await b.read_raw(k)
+            assert raw is not None
+            h = decode_header(raw)
+            assert h.header_len == 4096
+            assert raw[h.header_len :] == p.tobytes()
+
+
+async def test_version_2_pages_are_quiet_misses(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "store"
+    ks = keys(2)
+    old = [random_page() for _ in ks]
+    for k, p in zip(ks, old, strict=True):
+        path = page_path(root, k)
+        await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(path.write_bytes, version2_blob(k, p))
+    async with await FileBackend.open(root) as b:
+        dst = [PageBuffer.allocate(p.nbytes, p.format) for p in old]
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert await b.batch_get(ks, dst) == [False, False]
+        assert "failed its checks" not in caplog.text
+        assert (await b.stats()).corrupt_pages == 0
+        assert [d.tobytes() for d in dst] == [bytes(p.nbytes) for p in old]
+        assert await b.batch_set(ks, old) == [True, True]
+        assert await b.batch_get(ks, dst) == [True, True]
+        assert [d.tobytes() for d in dst] == [p.tobytes() for p in old]
 
 
 def old_tree_path(root: Path, key: str) -> Path:
@@ -245,3 +310,19 @@ def test_the_default_thread_count_fits_the_cpus() -> None:
     assert default_concurrency() == max(2, min(16, cpus))
     assert FileBackend("/nonexistent-tiercache-root").max_concurrency == default_concurrency()
     assert FileBackend("/nonexistent-tiercache-root", max_concurrency=3).max_concurrency == 3
+
+
+async def test_a_flipped_byte_in_the_header_padding_is_caught(tmp_path: Path) -> None:
+    (k,) = keys(1)
+    page = random_page()
+    async with await FileBackend.open(tmp_path / "store") as b:
+        assert await b.batch_set([k], [page]) == [True]
+        raw = await b.read_raw(k)
+        assert raw is not None and decode_header(raw).header_len == 4096
+        damaged = bytearray(raw)
+        damaged[4000] ^= 0xFF  # in the zero padding between the key and the payload
+        await b.write_raw(k, bytes(damaged))
+        dst = PageBuffer.allocate(page.nbytes, page.format)
+        assert await b.batch_get([k], [dst]) == [False]
+        assert (await b.stats()).corrupt_pages == 1
+        assert dst.tobytes() == bytes(page.nbytes)  # a bad header never touches the page

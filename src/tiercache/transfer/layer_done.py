@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -19,12 +20,46 @@ def _consume(fut: asyncio.Future[None]) -> None:
         fut.exception()
 
 
+class _Flags:
+    """One flag per layer that threads can wait on: `threading.Event` semantics, one lock.
+
+    A load creates one of these rather than an Event per layer (each a lock
+    and a condition of its own): creating the set is on every load's path.
+    """
+
+    __slots__ = ("_cond", "_set")
+
+    def __init__(self, n: int) -> None:
+        self._set = [False] * n
+        self._cond = threading.Condition(threading.Lock())
+
+    def set(self, i: int) -> None:
+        with self._cond:
+            self._set[i] = True
+            self._cond.notify_all()
+
+    def set_all(self) -> None:
+        with self._cond:
+            self._set = [True] * len(self._set)
+            self._cond.notify_all()
+
+    def is_set(self, i: int) -> bool:
+        return self._set[i]
+
+    def wait(self, i: int, timeout: float | None = None) -> bool:
+        """Block until flag ``i`` is set or ``timeout`` expires; whether it is set."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._set[i], timeout)
+
+
 class LayerDoneSet:
     """Completion of one load, layer by layer.
 
     For every layer it holds an asyncio future (resolved on the owning loop,
-    set from the copy thread with ``call_soon_threadsafe``), a
-    ``threading.Event`` for a synchronous forward pass running in a worker
+    set from the copy thread with ``call_soon_threadsafe``; layers that finish
+    while the loop has not yet woken up resolve in that same wake-up, so a
+    load of many small layers does not wake the loop once a layer), a
+    flag a thread can wait on (`wait_sync`) for a synchronous forward pass running in a worker
     thread, and on CUDA the ``torch.cuda.Event`` recorded after the layer's
     copy, on which the compute stream can wait without blocking the host.
 
@@ -56,10 +91,13 @@ class LayerDoneSet:
         self._loop_thread = threading.get_ident()  # created on the loop's thread
         self.num_layers = num_layers
         self.futures: list[asyncio.Future[None]] = [loop.create_future() for _ in range(num_layers)]
-        self._done = [threading.Event() for _ in range(num_layers)]
-        self._recorded = [threading.Event() for _ in range(num_layers)] if cuda else None
+        self._done = _Flags(num_layers)
+        self._recorded = _Flags(num_layers) if cuda else None
         self.cuda_events: list[torch.cuda.Event | None] = [None] * num_layers
         self.error: BaseException | None = None
+        # Calls from the copy thread waiting for the loop; one wake-up drains them all.
+        self._pending: list[tuple[Callable[..., None], tuple[object, ...]]] = []
+        self._pending_lock = threading.Lock()
 
     # -- copy thread side ---------------------------------------------------
 
@@ -67,31 +105,41 @@ class LayerDoneSet:
         """CUDA: the layer's copy is enqueued and ``event`` follows it."""
         self.cuda_events[layer] = event
         if self._recorded is not None:
-            self._recorded[layer].set()
+            self._recorded.set(layer)
 
     def mark_done(self, layer: int) -> None:
         """The layer's bytes are in place on the device."""
-        self._done[layer].set()
+        self._done.set(layer)
         self._call(self._resolve, layer)
 
     def mark_failed(self, error: BaseException) -> None:
         """The load failed: every layer not yet done fails with ``error``."""
         self.error = error
-        for i in range(self.num_layers):
-            if self._recorded is not None:
-                self._recorded[i].set()
-            self._done[i].set()
+        if self._recorded is not None:
+            self._recorded.set_all()
+        self._done.set_all()
         self._call(self._fail_all, error)
 
-    def _call(self, fn: object, *args: object) -> None:
+    def _call(self, fn: Callable[..., None], *args: object) -> None:
         try:
             if threading.get_ident() == self._loop_thread:
                 # A copy run inline on the loop: no need to wake it up.
-                self.loop.call_soon(fn, *args)  # type: ignore[arg-type]
-            else:
-                self.loop.call_soon_threadsafe(fn, *args)  # type: ignore[arg-type]
+                self.loop.call_soon(fn, *args)
+                return
+            with self._pending_lock:
+                self._pending.append((fn, args))
+                first = len(self._pending) == 1
+            if first:  # else the wake-up already scheduled runs this call too, in order
+                self.loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop is closed: nobody can await any more
             pass
+
+    def _drain(self) -> None:
+        """On the loop: run the calls the copy thread queued, in order."""
+        with self._pending_lock:
+            calls, self._pending = self._pending, []
+        for fn, args in calls:
+            fn(*args)
 
     def _resolve(self, layer: int) -> None:
         fut = self.futures[layer]
@@ -126,7 +174,7 @@ class LayerDoneSet:
 
     def is_done(self, layer: int) -> bool:
         self._check(layer)
-        return self._done[layer].is_set()
+        return self._done.is_set(layer)
 
     def wait_sync(self, layer: int, timeout: float | None = None) -> None:
         """Block the calling thread until layer ``layer`` is on the device.
@@ -143,7 +191,7 @@ class LayerDoneSet:
             raise StateError(
                 "wait_sync on the event loop thread would deadlock; await the layer instead"
             )
-        if not self._done[layer].wait(timeout):
+        if not self._done.wait(layer, timeout):
             raise StateError(f"layer {layer} not loaded within {timeout} s")
         if self.error is not None and not self._layer_ok(layer):
             raise self.error
@@ -169,7 +217,7 @@ class LayerDoneSet:
         if self._recorded is None:
             self.wait_sync(layer)
             return
-        self._recorded[layer].wait()
+        self._recorded.wait(layer)
         if self.error is not None:
             raise self.error
         ev = self.cuda_events[layer]
