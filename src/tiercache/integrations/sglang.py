@@ -92,6 +92,7 @@ from tiercache.integrations._metrics import AdapterMetrics, MetricsOptions
 from tiercache.integrations._options import positive
 from tiercache.memory.layout import KVLayout
 from tiercache.memory.pages import PageBuffer
+from tiercache.memory.pools import host_page_buffer
 from tiercache.storage import StorageBackend, open_backend
 from tiercache.storage.base import PageKey
 from tiercache.storage.registry import redact_url
@@ -262,25 +263,9 @@ class _PoolView:
 
     def page(self, slot: int) -> PageBuffer:
         """A zero-copy `PageBuffer` over the page at ``slot`` (tiercache's segment order)."""
-        ps = self.layout.page_size
-        if slot % ps or not 0 <= slot < self.num_slots:
-            raise InvalidInputError(f"host index {slot} is not the first slot of a page")
-        tok = self.layout.token_layer_bytes
-        L, B, n = self.layout.num_layers, self.layout.num_buffers, self.num_slots
-        mv = self.view
-        segs: list[memoryview] = []
-        if self.host_layout == "page_first":
-            run = ps * L * tok
-            for b in range(B):
-                off = (b * n + slot) * L * tok
-                segs.append(mv[off : off + run])
-        else:
-            run = ps * tok
-            for b in range(B):
-                for layer in range(L):
-                    off = ((b * L + layer) * n + slot) * tok
-                    segs.append(mv[off : off + run])
-        return PageBuffer(tuple(segs), self.layout.page_bytes, self.format)
+        return host_page_buffer(
+            self.view, self.layout, self.host_layout, self.num_slots, slot, self.format
+        )
 
 
 def _pool_view(pool: Any) -> _PoolView:

@@ -242,6 +242,44 @@ class DeviceKVPool:
         return f"DeviceKVPool({self.layout.describe()}, num_slots={self.num_slots}, device={self.device})"
 
 
+def host_page_buffer(
+    view: memoryview,
+    layout: KVLayout,
+    host_layout: str,
+    num_slots: int,
+    slot: int,
+    fmt: str,
+) -> PageBuffer:
+    """A zero-copy `PageBuffer` over one page of a flat host pool's bytes.
+
+    ``view`` holds the pool as ``(B, L, num_slots, ...)`` (``layer_first``) or
+    ``(B, num_slots, L, ...)`` (``page_first``) in C order, as `HostKVPool` and
+    SGLang's host pools lay it out. The segments come in tiercache's page
+    order: buffer by buffer, then (``layer_first``) layer by layer.
+
+    Raises:
+        InvalidInputError: ``slot`` is not the first slot of a page of the pool.
+    """
+    ps = layout.page_size
+    if slot % ps or not 0 <= slot < num_slots:
+        raise InvalidInputError(f"slot {slot} is not the first slot of a page of this pool")
+    tok = layout.token_layer_bytes
+    L, B, n = layout.num_layers, layout.num_buffers, num_slots
+    segs: list[memoryview] = []
+    if host_layout == "page_first":
+        run = ps * L * tok
+        for b in range(B):
+            off = (b * n + slot) * L * tok
+            segs.append(view[off : off + run])
+    else:
+        run = ps * tok
+        for b in range(B):
+            for layer in range(L):
+                off = ((b * L + layer) * n + slot) * tok
+                segs.append(view[off : off + run])
+    return PageBuffer(tuple(segs), layout.page_bytes, fmt)
+
+
 class HostKVPool:
     """The L2 pool: one big host buffer, pinned when CUDA is present.
 
@@ -361,25 +399,9 @@ class HostKVPool:
 
     def page_buffer(self, slot: int) -> PageBuffer:
         """A zero-copy `PageBuffer` over the page that starts at slot ``slot``."""
-        ps = self.layout.page_size
-        if slot % ps or not 0 <= slot < self.num_slots:
-            raise InvalidInputError(f"slot {slot} is not the first slot of a page of this pool")
-        tok = self.layout.token_layer_bytes
-        L, B, n = self.layout.num_layers, self.layout.num_buffers, self.num_slots
-        mv = self._view
-        segs: list[memoryview] = []
-        if self.host_layout == "page_first":
-            run = ps * L * tok
-            for b in range(B):
-                off = (b * n + slot) * L * tok
-                segs.append(mv[off : off + run])
-        else:
-            run = ps * tok
-            for b in range(B):
-                for layer in range(L):
-                    off = ((b * L + layer) * n + slot) * tok
-                    segs.append(mv[off : off + run])
-        return PageBuffer(tuple(segs), self.layout.page_bytes, self.format)
+        return host_page_buffer(
+            self._view, self.layout, self.host_layout, self.num_slots, slot, self.format
+        )
 
     def page_buffers(self, host_indices: torch.Tensor) -> list[PageBuffer]:
         """One `PageBuffer` per page of ``host_indices`` (page-aligned slots of this pool)."""
