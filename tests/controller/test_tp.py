@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from tests.tp_ranks import run_ranks
 
 from tiercache import DeviceKVPool, HostKVPool, KVLayout, TierController
 from tiercache.errors import ConfigError
@@ -20,34 +17,7 @@ WORKER = Path(__file__).with_name("tp_worker.py")
 
 async def _run_ranks(tmp_path: Path, ranks: list[tuple[int, str]]) -> list[dict[str, Any]]:
     """Run one worker per ``(stored_pages, mode)``; fail (not hang) if they deadlock."""
-    init = f"file://{tmp_path / 'rendezvous'}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [
-        await asyncio.create_subprocess_exec(
-            sys.executable,
-            str(WORKER),
-            str(rank),
-            str(len(ranks)),
-            init,
-            str(stored),
-            mode,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-        )
-        for rank, (stored, mode) in enumerate(ranks)
-    ]
-    try:
-        outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), timeout=60)
-    except TimeoutError:
-        for p in procs:
-            if p.returncode is None:
-                p.kill()
-        await asyncio.gather(*(p.wait() for p in procs))
-        pytest.fail("the ranks deadlocked in the hit-count agreement")
-    for p, (_out, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err.decode()[-2000:]
-    return [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outs]
+    return await run_ranks(WORKER, tmp_path, [[str(stored), mode] for stored, mode in ranks])
 
 
 async def test_two_ranks_with_different_hits_agree_on_the_min(tmp_path: Path) -> None:
