@@ -74,3 +74,27 @@ def test_counts_names_and_slot_tensors() -> None:
     for bad in ([0, 1], torch.arange(4).int(), torch.arange(4).view(2, 2), torch.tensor([8])):
         with pytest.raises(InvalidInputError):
             check_slot_tensor(bad, "s", 8)
+
+
+def test_is_int_takes_ints_and_numpy_integers_only() -> None:
+    from tiercache._checks import is_int
+
+    assert is_int(3) and is_int(np.int64(3)) and is_int(np.uint8(1))
+    assert not is_int(True) and not is_int(np.bool_(True))
+    assert not is_int(3.0) and not is_int("3") and not is_int(None)
+
+
+def test_check_int_and_check_bool_refuse_lookalikes() -> None:
+    from tiercache._checks import check_bool, check_int
+    from tiercache.errors import ConfigError
+
+    assert check_int(np.int32(4), "n", minimum=0) == 4
+    for bad in (True, 1.0, "1", None):
+        with pytest.raises(InvalidInputError, match="n must be an int"):
+            check_int(bad, "n")
+    with pytest.raises(ConfigError, match=">= 1"):
+        check_int(0, "n", minimum=1, error=ConfigError)
+    assert check_bool(np.bool_(False), "b") is False
+    for bad in (1, 0, "true", None):
+        with pytest.raises(InvalidInputError, match="b must be a bool"):
+            check_bool(bad, "b")

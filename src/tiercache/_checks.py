@@ -24,7 +24,16 @@ import torch
 
 from tiercache.errors import InvalidInputError
 
-__all__ = ["TOKEN_LIMIT", "check_choice", "check_count", "check_slot_tensor", "token_list"]
+__all__ = [
+    "TOKEN_LIMIT",
+    "check_bool",
+    "check_choice",
+    "check_count",
+    "check_int",
+    "check_slot_tensor",
+    "is_int",
+    "token_list",
+]
 
 #: Token ids lie in ``[0, TOKEN_LIMIT)``: storage keys pack each id into 4 bytes.
 TOKEN_LIMIT = 1 << 32
@@ -88,12 +97,15 @@ def token_list(tokens: object, what: str = "tokens") -> list[int]:
         bad = next((t for t in tokens if not 0 <= operator.index(t) < TOKEN_LIMIT), None)
         raise InvalidInputError(f"{what} must lie in [0, 2**32), got {bad!r}") from e
     except TypeError as e:
-        bad = next((t for t in tokens if not _is_int(t)), None)
+        bad = next((t for t in tokens if not is_int(t)), None)
         raise InvalidInputError(f"{what} must be ints, got {type(bad).__name__} {bad!r}") from e
     return packed.tolist()
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """True for ``int`` and numpy integers; False for ``bool``, ``float`` and the rest."""
+    if isinstance(value, bool | np.bool_):
+        return False
     try:
         operator.index(value)  # type: ignore[arg-type]
     except TypeError:
@@ -107,7 +119,7 @@ def check_count(value: object, what: str = "num_tokens", *, multiple_of: int = 1
     Raises:
         InvalidInputError: anything else, or not a multiple of ``multiple_of``.
     """
-    if isinstance(value, bool) or not _is_int(value):
+    if not is_int(value):
         raise InvalidInputError(f"{what} must be a non-negative int, got {value!r}")
     n = operator.index(value)  # type: ignore[arg-type]
     if n < 0:
@@ -115,6 +127,43 @@ def check_count(value: object, what: str = "num_tokens", *, multiple_of: int = 1
     if n % multiple_of:
         raise InvalidInputError(f"{what}={n} is not a multiple of the page size {multiple_of}")
     return n
+
+
+def check_int(
+    value: object,
+    what: str,
+    *,
+    minimum: int | None = None,
+    error: type[Exception] = InvalidInputError,
+) -> int:
+    """An ``int`` (numpy integers accepted, ``bool`` and ``float`` not), at least ``minimum``.
+
+    Args:
+        value: the argument.
+        what: its name, for the message.
+        minimum: the smallest value allowed, or None for no bound.
+        error: the exception to raise (``ConfigError`` for configuration fields).
+
+    Raises:
+        InvalidInputError: (or ``error``) anything else.
+    """
+    if not is_int(value):
+        raise error(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    n = operator.index(value)  # type: ignore[arg-type]
+    if minimum is not None and n < minimum:
+        raise error(f"{what} must be >= {minimum}, got {n}")
+    return n
+
+
+def check_bool(value: object, what: str, *, error: type[Exception] = InvalidInputError) -> bool:
+    """A real ``bool`` (``np.bool_`` accepted); ints, strings and None are refused.
+
+    Raises:
+        InvalidInputError: (or ``error``) anything else.
+    """
+    if not isinstance(value, bool | np.bool_):
+        raise error(f"{what} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
 
 
 def check_choice(value: object, allowed: Sequence[str], what: str) -> str:
