@@ -80,9 +80,10 @@ from benchmarks.common import (  # noqa: E402
     print_table,
     write_result,
 )
-from tiercache.index import StorageNamespace, page_hashes  # noqa: E402
+from tiercache.index import page_hashes  # noqa: E402
 from tiercache.memory import HostKVPool, KVLayout, PageBuffer  # noqa: E402
 from tiercache.storage.file import FileBackend, default_concurrency  # noqa: E402
+from tiercache.storage.keys import StorageNamespace  # noqa: E402
 
 #: Page sizes of the parameter space, by label.
 PAGE_LAYOUTS = {

@@ -10,9 +10,10 @@ from tiercache.cache import CacheMatch, CacheStats, Request, TierCache
 from tiercache.config import PREFETCH_POLICIES, WRITE_POLICIES, TierCacheConfig
 from tiercache.controller import CopyAck, LoadHandle, TierController
 from tiercache.errors import TierCacheError
-from tiercache.index.hashing import StorageNamespace, hash_page, page_hashes
+from tiercache.index.hashing import hash_page, page_hashes
 from tiercache.memory import DeviceKVPool, HostKVPool, KVLayout, PageAllocator
 from tiercache.storage import PageKey, StorageBackend, open_backend, register_backend
+from tiercache.storage.keys import StorageNamespace
 from tiercache.storage_tier import BackupOperation, PrefetchOperation, PrefetchState
 
 __version__ = "0.1.0"

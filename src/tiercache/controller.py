@@ -36,10 +36,10 @@ from tiercache.errors import (
     InvalidInputError,
     StateError,
 )
-from tiercache.index.hashing import StorageNamespace
 from tiercache.memory.allocator import PageAllocator, check_slot_indices
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
 from tiercache.storage.base import StorageBackend
+from tiercache.storage.keys import StorageNamespace
 from tiercache.storage_tier import (
     BackupOperation,
     PrefetchOperation,

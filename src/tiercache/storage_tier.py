@@ -45,10 +45,11 @@ from tiercache.errors import (
     StorageError,
     StorageTimeoutError,
 )
-from tiercache.index.hashing import StorageNamespace, pack_tokens, page_hashes
+from tiercache.index.hashing import pack_tokens, page_hashes
 from tiercache.memory.allocator import check_slot_indices
 from tiercache.observe import observe
 from tiercache.storage.base import PageKey, StorageBackend
+from tiercache.storage.keys import StorageNamespace
 
 if TYPE_CHECKING:
     from tiercache.controller import TierController

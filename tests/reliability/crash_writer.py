@@ -37,9 +37,10 @@ import traceback
 import torch
 
 from tiercache import DeviceKVPool, HostKVPool, KVLayout, TierController
-from tiercache.index.hashing import StorageNamespace, page_hashes
+from tiercache.index.hashing import page_hashes
 from tiercache.storage.base import PageBuffer, PageKey
 from tiercache.storage.file import FileBackend
+from tiercache.storage.keys import StorageNamespace
 from tiercache.storage_tier import StorageTierConfig
 
 #: Tokens per page and the layout of controller mode: 2 layers x 2 heads x 32 dims fp16,

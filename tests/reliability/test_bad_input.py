@@ -40,10 +40,11 @@ from tiercache.errors import (
     StorageError,
     TierCacheError,
 )
-from tiercache.index.hashing import StorageNamespace, hash_page, page_hashes, validate_key
+from tiercache.index.hashing import hash_page, page_hashes
 from tiercache.storage import open_backend
 from tiercache.storage.base import PageBuffer, PageKey
 from tiercache.storage.file import FileBackend
+from tiercache.storage.keys import StorageNamespace, validate_key
 from tiercache.storage.memory import MemoryBackend
 from tiercache.storage_tier import PrefetchState, StorageTierConfig
 

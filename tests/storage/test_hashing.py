@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tiercache.errors import InvalidInputError
-from tiercache.index import StorageNamespace, hash_page, page_hashes, validate_key
+from tiercache.index import hash_page, page_hashes
 from tiercache.memory import KVLayout
+from tiercache.storage.keys import StorageNamespace, validate_key
 
 KNOWN = "cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72"
 

@@ -1,22 +1,9 @@
-"""Page identity: the token hash chain, storage keys and (later) the prefix index.
+"""The prefix index and the token hash chain its pages are named by.
 
-Synchronous and loop-free, like everything in the core.
+Synchronous and loop-free, like everything in the core. Storage identity
+(namespaces and keys) lives in `tiercache.storage.keys`.
 """
 
-from tiercache.index.hashing import (
-    MAX_KEY_LENGTH,
-    StorageNamespace,
-    hash_page,
-    pack_tokens,
-    page_hashes,
-    validate_key,
-)
+from tiercache.index.hashing import hash_page, pack_tokens, page_hashes
 
-__all__ = [
-    "MAX_KEY_LENGTH",
-    "StorageNamespace",
-    "hash_page",
-    "pack_tokens",
-    "page_hashes",
-    "validate_key",
-]
+__all__ = ["hash_page", "pack_tokens", "page_hashes"]

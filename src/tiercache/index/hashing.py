@@ -1,4 +1,4 @@
-"""Page keys: the token hash chain and the storage namespace around it.
+"""The token hash chain: one hash per page, each covering every token before it.
 
 A page's hash is SGLang's ``get_hash_str``, byte for byte, so a chain computed
 here matches one computed by SGLang (and by another tiercache instance)::
@@ -13,9 +13,9 @@ whole token sequence is packed once into little-endian ``uint32`` bytes
 page is one ``update`` with the prior digest and one with a slice of the packed
 bytes: the same digest, several times faster.
 
-A hash names a token prefix, not a model. `StorageNamespace` adds the identity
-of the bytes (model, dtype, layout, page size, tensor-parallel shard), so pages
-of different models, dtypes or shards never share a storage key.
+A hash names a token prefix, not a model: `tiercache.storage.keys.StorageNamespace`
+adds the identity of the bytes (model, dtype, layout, page size, tensor-parallel
+shard) to make a storage key.
 
 Everything here is synchronous and thread-safe (pure functions, frozen
 values). Hashing a long prompt takes milliseconds: call it from an executor
@@ -28,29 +28,13 @@ import hashlib
 import re
 import sys
 from array import array
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from tiercache.errors import InvalidInputError
-from tiercache.memory.layout import KVLayout, dtype_name
-from tiercache.memory.pools import HOST_LAYOUTS
-from tiercache.storage.base import PageKey
 
-__all__ = [
-    "MAX_KEY_LENGTH",
-    "StorageNamespace",
-    "hash_page",
-    "pack_tokens",
-    "page_hashes",
-    "validate_key",
-]
+__all__ = ["hash_page", "pack_tokens", "page_hashes"]
 
-#: The longest storage key a backend accepts.
-MAX_KEY_LENGTH = 200
-
-_KEY_RE = re.compile(r"[0-9A-Za-z_.-]+")
 _HASH_RE = re.compile(r"[0-9a-f]{1,128}")
 _TOKEN_LIMIT = 1 << 32
 _LITTLE = sys.byteorder == "little"
@@ -171,141 +155,3 @@ def page_hashes(token_ids: object, page_size: int, prior_hash: str | None = None
         append(prior)
     out = [d.hex() for d in digests]
     return out
-
-
-def validate_key(key: object) -> PageKey:
-    """Check that ``key`` is safe to use as a file name, a redis key, or a URL part.
-
-    Accepted: 1 to `MAX_KEY_LENGTH` characters of ``[0-9A-Za-z_.-]``, not
-    starting with ``"."``. So a key never contains a path separator, never is
-    ``"."`` or ``".."``, and never names a hidden (temporary) file.
-
-    Raises:
-        InvalidInputError: the key breaks one of these rules.
-    """
-    if not isinstance(key, str):
-        raise InvalidInputError(f"a page key must be a str, got {type(key).__name__}")
-    if not key or len(key) > MAX_KEY_LENGTH:
-        raise InvalidInputError(
-            f"a page key must have 1 to {MAX_KEY_LENGTH} characters, got {len(key)}"
-        )
-    if key[0] == "." or _KEY_RE.fullmatch(key) is None:
-        raise InvalidInputError(
-            f"a page key may only use [0-9A-Za-z_.-] and not start with '.': {key!r}"
-        )
-    return PageKey(key)
-
-
-@dataclass(frozen=True, slots=True)
-class StorageNamespace:
-    """The identity of one pool's page bytes, prefixed to every storage key.
-
-    Two pools share stored pages only when every field that shapes the bytes
-    matches. For MLA the latent cache is replicated across tensor-parallel
-    ranks, so ``tp_rank`` is left out of the identity: one rank writes, every
-    rank reads the same keys.
-
-    Attributes:
-        model: model name (anything identifying the weights).
-        dtype: KV dtype name, e.g. ``"float16"``.
-        layout: `KVLayout.describe` of the shard.
-        host_layout: ``"layer_first"`` or ``"page_first"`` (the byte order of
-            a stored page).
-        page_size: tokens per page.
-        tp_rank, tp_size: this shard and the tensor-parallel width.
-        mla: the layout is MLA.
-
-    Raises:
-        InvalidInputError: empty model, bad ranks, or an unknown host layout.
-    """
-
-    model: str
-    dtype: str
-    layout: str
-    host_layout: str
-    page_size: int
-    tp_rank: int = 0
-    tp_size: int = 1
-    mla: bool = False
-    _digest: str = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise InvalidInputError(f"model must be a non-empty str, got {self.model!r}")
-        if self.host_layout not in HOST_LAYOUTS:
-            raise InvalidInputError(
-                f"host_layout must be one of {HOST_LAYOUTS}, got {self.host_layout!r}"
-            )
-        for name in ("page_size", "tp_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise InvalidInputError(f"{name} must be a positive int, got {v!r}")
-        if (
-            isinstance(self.tp_rank, bool)
-            or not isinstance(self.tp_rank, int)
-            or not 0 <= self.tp_rank < self.tp_size
-        ):
-            raise InvalidInputError(
-                f"tp_rank must be an int in [0, {self.tp_size}), got {self.tp_rank!r}"
-            )
-        if not isinstance(self.mla, bool):
-            raise InvalidInputError(f"mla must be a bool, got {self.mla!r}")
-        object.__setattr__(self, "_digest", hashlib.sha256(self.identity.encode()).hexdigest()[:16])
-
-    @classmethod
-    def for_layout(
-        cls,
-        layout: KVLayout,
-        host_layout: str,
-        *,
-        model: str,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-    ) -> StorageNamespace:
-        """The namespace of a host pool of ``layout`` in ``host_layout``."""
-        if not isinstance(layout, KVLayout):
-            raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        return cls(
-            model=model,
-            dtype=dtype_name(layout.dtype),
-            layout=layout.describe(),
-            host_layout=host_layout,
-            page_size=layout.page_size,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            mla=layout.mla,
-        )
-
-    @property
-    def identity(self) -> str:
-        """The fields that name the bytes, as one line (``tp_rank`` omitted for MLA)."""
-        rank = "*" if self.mla else str(self.tp_rank)
-        return (
-            f"tiercache/1|model={self.model}|dtype={self.dtype}|layout={self.layout}"
-            f"|host={self.host_layout}|page={self.page_size}|tp={rank}/{self.tp_size}|mla={int(self.mla)}"
-        )
-
-    @property
-    def digest(self) -> str:
-        """16 hex characters of sha256 over `identity`: the key prefix."""
-        return self._digest
-
-    def key(self, page_hash: str) -> PageKey:
-        """The storage key of the page whose chain hash is ``page_hash``.
-
-        Raises:
-            InvalidInputError: ``page_hash`` is not 1 to 128 lowercase hex characters.
-        """
-        if not isinstance(page_hash, str) or _HASH_RE.fullmatch(page_hash) is None:
-            raise InvalidInputError(f"a page hash is lowercase hex, got {page_hash!r}")
-        return PageKey(f"{self._digest}-{page_hash}")
-
-    def keys(self, page_hashes: Sequence[str]) -> list[PageKey]:
-        """`key` of each hash, in order."""
-        prefix = self._digest
-        out: list[PageKey] = []
-        for h in page_hashes:
-            if not isinstance(h, str) or _HASH_RE.fullmatch(h) is None:
-                raise InvalidInputError(f"a page hash is lowercase hex, got {h!r}")
-            out.append(PageKey(f"{prefix}-{h}"))
-        return out

@@ -86,7 +86,6 @@ from tiercache.errors import (
     StorageError,
     StorageTimeoutError,
 )
-from tiercache.index.hashing import StorageNamespace
 from tiercache.integrations._loop import LoopThread
 from tiercache.integrations._metrics import AdapterMetrics, MetricsOptions
 from tiercache.integrations._options import positive
@@ -95,6 +94,7 @@ from tiercache.memory.pages import PageBuffer
 from tiercache.memory.pools import host_page_buffer
 from tiercache.storage import StorageBackend, open_backend
 from tiercache.storage.base import PageKey
+from tiercache.storage.keys import StorageNamespace
 from tiercache.storage.registry import redact_url
 from tiercache.storage_tier import FAULT_POLICIES
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tiercache.storage.base import BackendState, BackendStats, PageBuffer, PageKey, StorageBackend
+from tiercache.storage.keys import MAX_KEY_LENGTH, StorageNamespace, validate_key
 from tiercache.storage.registry import (
     ENTRY_POINT_GROUP,
     available_backends,
@@ -28,16 +29,19 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "BackendState",
     "BackendStats",
+    "MAX_KEY_LENGTH",
     "FileBackend",
     "MemoryBackend",
     "PageBuffer",
     "PageKey",
     "StorageBackend",
+    "StorageNamespace",
     "available_backends",
     "open_backend",
     "register_backend",
     "resolve_backend",
     "unregister_backend",
+    "validate_key",
 ]
 
 _LAZY = {

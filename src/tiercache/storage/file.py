@@ -109,7 +109,6 @@ import aiofiles
 import aiofiles.os
 
 from tiercache.errors import ConfigError, StorageCorruptionError, StorageError
-from tiercache.index.hashing import validate_key
 from tiercache.storage.base import BackendState, BackendStats, PageBuffer, PageKey, StorageBackend
 from tiercache.storage.format import (
     check_header,
@@ -119,6 +118,7 @@ from tiercache.storage.format import (
     pack_page,
     verify_in_place,
 )
+from tiercache.storage.keys import validate_key
 from tiercache.storage.memory import check_batch
 from tiercache.storage.registry import option_bool, option_int, reject_unknown, url_options
 

@@ -11,8 +11,8 @@ from typing import Any, Self, TypeVar
 from urllib.parse import urlsplit
 
 from tiercache.errors import ConfigError, InvalidInputError
-from tiercache.index.hashing import validate_key
 from tiercache.storage.base import BackendState, BackendStats, PageBuffer, PageKey, StorageBackend
+from tiercache.storage.keys import validate_key
 from tiercache.storage.registry import option_int, reject_unknown, url_options
 
 __all__ = ["MemoryBackend"]
