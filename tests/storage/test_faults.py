@@ -182,6 +182,13 @@ ALL_OPS = ["exists", "get", "set", "delete", "clear"]
         {"kind": FaultKind.FLIP, "flip_bytes": 0},
         {"kind": FaultKind.FLIP, "pages": 0},
         {"kind": "no-such-kind"},
+        # Wrong types are refused as configuration errors, not raw TypeErrors.
+        {"kind": FaultKind.ERROR, "after_calls": "3"},
+        {"kind": FaultKind.ERROR, "max_faults": True},
+        {"kind": FaultKind.ERROR, "probability": "1"},
+        {"kind": FaultKind.LATENCY, "delay": "0.1"},
+        {"kind": FaultKind.LATENCY, "delay": (0.1,)},
+        {"kind": FaultKind.TRUNCATE, "keep_bytes": 1.5},
     ],
 )
 def test_bad_spec_is_a_config_error(kwargs: dict[str, object]) -> None:

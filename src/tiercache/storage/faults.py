@@ -61,6 +61,8 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from tiercache._aio import finish
+from tiercache._checks import check_int
 from tiercache.errors import (
     BackendUnavailableError,
     ConfigError,
@@ -72,6 +74,14 @@ from tiercache.errors import (
 )
 from tiercache.memory.pages import PageBuffer
 from tiercache.storage.base import BackendState, BackendStats, PageKey, StorageBackend
+from tiercache.storage.registry import (
+    open_backend,
+    option_bool,
+    option_float,
+    option_int,
+    redact_url,
+    url_options,
+)
 
 __all__ = [
     "OPERATIONS",
@@ -130,6 +140,51 @@ _OFFLOAD_BYTES = 1 << 20
 _RAISING = frozenset({FaultKind.ERROR, FaultKind.TIMEOUT, FaultKind.HANG})
 #: Kinds that change a call's result rather than end it.
 _SHAPING = frozenset({FaultKind.PARTIAL, FaultKind.FLIP, FaultKind.TRUNCATE})
+
+#: The int fields of a `FaultSpec`: (name, smallest value, whether ``None`` is allowed).
+_COUNT_FIELDS: tuple[tuple[str, int, bool], ...] = (
+    ("after_calls", 0, False),
+    ("max_faults", 0, True),
+    ("keep_pages", 0, True),
+    ("pages", 1, True),
+    ("flip_bytes", 1, False),
+    ("keep_bytes", 0, True),
+)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _targeted_ops(kind: FaultKind, ops: Collection[str] | None) -> frozenset[str]:
+    """The operations a spec of ``kind`` targets: ``ops`` checked, or all it supports."""
+    supported = _SUPPORTED[kind]
+    if ops is None:
+        return supported
+    if isinstance(ops, str):
+        raise ConfigError(f"ops must be a collection of operation names, not the string {ops!r}")
+    chosen = frozenset(ops)
+    if not chosen:
+        raise ConfigError("a fault spec must target at least one operation")
+    unknown = chosen - OPERATIONS
+    if unknown:
+        raise ConfigError(f"unknown operations {sorted(unknown)}; choose from {sorted(OPERATIONS)}")
+    unsupported = chosen - supported
+    if unsupported:
+        raise ConfigError(f"a {kind.value} fault cannot apply to {sorted(unsupported)}")
+    return chosen
+
+
+def _check_delay(delay: object) -> None:
+    """A delay is a number >= 0 or a ``(low, high)`` range with ``0 <= low <= high``."""
+    if isinstance(delay, tuple):
+        if len(delay) != 2 or not all(_is_number(x) for x in delay):
+            raise ConfigError(f"a delay range is a (low, high) pair of numbers, got {delay!r}")
+        lo, hi = delay
+        if not 0.0 <= lo <= hi:
+            raise ConfigError(f"delay range must satisfy 0 <= low <= high, got {delay}")
+    elif not (_is_number(delay) and delay >= 0):  # type: ignore[operator]
+        raise ConfigError(f"delay must be >= 0, got {delay!r}")
 
 
 @dataclass(frozen=True)
@@ -192,50 +247,18 @@ class FaultSpec:
             raise ConfigError(str(e)) from e
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "partial", partial)
-        supported = _SUPPORTED[kind]
-        if self.ops is None:
-            ops = supported
-        else:
-            if isinstance(self.ops, str):
-                raise ConfigError(
-                    f"ops must be a collection of operation names, not the string {self.ops!r}"
-                )
-            ops = frozenset(self.ops)
-            if not ops:
-                raise ConfigError("a fault spec must target at least one operation")
-            unknown = ops - OPERATIONS
-            if unknown:
-                raise ConfigError(
-                    f"unknown operations {sorted(unknown)}; choose from {sorted(OPERATIONS)}"
-                )
-            unsupported = ops - supported
-            if unsupported:
-                raise ConfigError(f"a {kind.value} fault cannot apply to {sorted(unsupported)}")
-        object.__setattr__(self, "ops", ops)
-        if not 0.0 <= self.probability <= 1.0:
-            raise ConfigError(f"probability must be in [0, 1], got {self.probability}")
-        if self.after_calls < 0:
-            raise ConfigError(f"after_calls must be >= 0, got {self.after_calls}")
-        if self.max_faults is not None and self.max_faults < 0:
-            raise ConfigError(f"max_faults must be >= 0, got {self.max_faults}")
+        object.__setattr__(self, "ops", _targeted_ops(kind, self.ops))
+        if not (_is_number(self.probability) and 0.0 <= self.probability <= 1.0):
+            raise ConfigError(f"probability must be in [0, 1], got {self.probability!r}")
+        for name, minimum, optional in _COUNT_FIELDS:
+            value = getattr(self, name)
+            if not (optional and value is None):
+                check_int(value, name, minimum=minimum, error=ConfigError)
         if not (isinstance(self.error, type) and issubclass(self.error, StorageError)):
             raise ConfigError(f"error must be a StorageError subclass, got {self.error!r}")
         if self.after and kind not in (FaultKind.ERROR, FaultKind.TIMEOUT):
             raise ConfigError("after=True applies only to error and timeout faults")
-        if isinstance(self.delay, tuple):
-            lo, hi = self.delay
-            if not 0.0 <= lo <= hi:
-                raise ConfigError(f"delay range must satisfy 0 <= low <= high, got {self.delay}")
-        elif self.delay < 0:
-            raise ConfigError(f"delay must be >= 0, got {self.delay}")
-        if self.keep_pages is not None and self.keep_pages < 0:
-            raise ConfigError(f"keep_pages must be >= 0, got {self.keep_pages}")
-        if self.pages is not None and self.pages < 1:
-            raise ConfigError(f"pages must be >= 1 or None, got {self.pages}")
-        if self.flip_bytes < 1:
-            raise ConfigError(f"flip_bytes must be >= 1, got {self.flip_bytes}")
-        if self.keep_bytes is not None and self.keep_bytes < 0:
-            raise ConfigError(f"keep_bytes must be >= 0, got {self.keep_bytes}")
+        _check_delay(self.delay)
 
     def targets(self, op: str) -> bool:
         """Whether this spec applies to operation ``op``."""
@@ -328,6 +351,105 @@ class _Decision:
     rng: random.Random | None = None
 
 
+#: The exceptions a ``fault_error`` URL option may name.
+_URL_ERRORS: dict[str, type[StorageError]] = {
+    c.__name__: c
+    for c in (StorageError, BackendUnavailableError, StorageTimeoutError, StorageCorruptionError)
+}
+
+
+def _url_as_is(name: str, value: Any) -> Any:
+    return value
+
+
+def _url_probability(name: str, value: Any) -> float:
+    return option_float(name, value, minimum=0.0)
+
+
+def _url_ops(name: str, value: Any) -> Any:
+    """``"get,set"`` -> ``["get", "set"]``; a collection passes as is."""
+    return [o.strip() for o in value.split(",")] if isinstance(value, str) else value
+
+
+def _url_delay(name: str, value: Any) -> float | tuple[float, float]:
+    """``"0.1"`` -> ``0.1``; ``"0.1,0.2"`` -> ``(0.1, 0.2)``; a tuple passes as is."""
+    if isinstance(value, str) and "," in value:
+        lo, _, hi = value.partition(",")
+        return option_float(name, lo), option_float(name, hi)
+    if isinstance(value, tuple):
+        return value
+    return option_float(name, value)
+
+
+def _url_error(name: str, value: Any) -> Any:
+    """An exception class by name (from `_URL_ERRORS`); a class passes as is."""
+    if not isinstance(value, str):
+        return value
+    if value not in _URL_ERRORS:
+        raise ConfigError(f"{name} must be one of {sorted(_URL_ERRORS)}, got {value!r}")
+    return _URL_ERRORS[value]
+
+
+#: URL option -> (the `FaultSpec` field it sets, its parser(option name, value)).
+_URL_SPEC_OPTIONS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "fault": ("kind", _url_as_is),
+    "fault_p": ("probability", _url_probability),
+    "fault_ops": ("ops", _url_ops),
+    "fault_after_calls": ("after_calls", option_int),
+    "fault_max": ("max_faults", option_int),
+    "fault_delay": ("delay", _url_delay),
+    "fault_error": ("error", _url_error),
+    "fault_partial": ("partial", _url_as_is),
+}
+#: Every option `FaultyBackend.from_url` keeps for itself.
+_URL_FAULT_OPTIONS = frozenset({"plan", "fault_seed", "fault_enabled", *_URL_SPEC_OPTIONS})
+
+
+def _take_fault_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Remove and return the ``plan`` and ``fault*`` options; the rest is the inner backend's.
+
+    Raises:
+        ConfigError: a ``fault*`` option this wrapper does not know.
+    """
+    taken = {k: options.pop(k) for k in list(options) if k == "plan" or k.startswith("fault")}
+    unknown = sorted(set(taken) - _URL_FAULT_OPTIONS)
+    if unknown:
+        raise ConfigError(
+            f"unknown fault option(s) {unknown} (known: {sorted(_URL_FAULT_OPTIONS)})"
+        )
+    return taken
+
+
+def _plan_from_options(options: dict[str, Any], url: str) -> FaultPlan:
+    """The plan a URL's fault options describe: ``plan=`` alone, or one spec from ``fault*``.
+
+    Raises:
+        ConfigError: both or neither given, a ``plan`` that is not a `FaultPlan`,
+            or a bad option value.
+    """
+    plan = options.pop("plan", None)
+    if plan is not None:
+        if options:
+            raise ConfigError(f"give either plan= or fault options, not both: {sorted(options)}")
+        if not isinstance(plan, FaultPlan):
+            raise ConfigError(f"plan must be a FaultPlan, got {type(plan).__name__}")
+        return plan
+    if "fault" not in options:
+        raise ConfigError(
+            f"{redact_url(url)!r}: say which fault to inject (fault=error, latency, ...)"
+        )
+    spec_args = {
+        field_name: parse(name, options[name])
+        for name, (field_name, parse) in _URL_SPEC_OPTIONS.items()
+        if name in options
+    }
+    seed = options.get("fault_seed")
+    return FaultPlan(
+        (FaultSpec(**spec_args),),
+        seed=None if seed in (None, "") else option_int("fault_seed", seed),
+    )
+
+
 class FaultyBackend(StorageBackend):
     """A `StorageBackend` that forwards to another and injects faults on the way.
 
@@ -418,92 +540,15 @@ class FaultyBackend(StorageBackend):
             ConfigError: not a ``faulty+`` URL, unknown or bad fault options.
             BackendNotFoundError: the inner URL names no backend.
         """
-        from tiercache.storage.registry import (
-            open_backend,
-            option_bool,
-            option_float,
-            option_int,
-            redact_url,
-            url_options,
-        )
-
         head, plus, inner_url = url.partition("+")
         if head.lower() != cls.name or not plus or not inner_url:
             raise ConfigError(
                 f"a faulty backend URL is 'faulty+<inner URL>', got {redact_url(url)!r}"
             )
         inner_base, merged = url_options(inner_url, options)
-        fopts = {k: merged.pop(k) for k in list(merged) if k == "plan" or k.startswith("fault")}
-        known = {
-            "plan", "fault", "fault_p", "fault_ops", "fault_after_calls", "fault_max",
-            "fault_delay", "fault_error", "fault_partial", "fault_seed", "fault_enabled",
-        }  # fmt: skip
-        unknown = sorted(set(fopts) - known)
-        if unknown:
-            raise ConfigError(f"unknown fault option(s) {unknown} (known: {sorted(known)})")
-        enabled = option_bool("fault_enabled", fopts.pop("fault_enabled", True))
-        plan = fopts.pop("plan", None)
-        if plan is not None:
-            if fopts:
-                raise ConfigError(f"give either plan= or fault options, not both: {sorted(fopts)}")
-            if not isinstance(plan, FaultPlan):
-                raise ConfigError(f"plan must be a FaultPlan, got {type(plan).__name__}")
-        else:
-            if "fault" not in fopts:
-                raise ConfigError(
-                    f"{redact_url(url)!r}: say which fault to inject (fault=error, latency, ...)"
-                )
-            errors: dict[str, type[StorageError]] = {
-                c.__name__: c
-                for c in (
-                    StorageError,
-                    BackendUnavailableError,
-                    StorageTimeoutError,
-                    StorageCorruptionError,
-                )
-            }
-            spec_args: dict[str, Any] = {"kind": fopts["fault"]}
-            if "fault_p" in fopts:
-                spec_args["probability"] = option_float("fault_p", fopts["fault_p"], minimum=0.0)
-            if "fault_ops" in fopts:
-                ops = fopts["fault_ops"]
-                spec_args["ops"] = (
-                    [o.strip() for o in ops.split(",")] if isinstance(ops, str) else ops
-                )
-            if "fault_after_calls" in fopts:
-                spec_args["after_calls"] = option_int(
-                    "fault_after_calls", fopts["fault_after_calls"]
-                )
-            if "fault_max" in fopts:
-                spec_args["max_faults"] = option_int("fault_max", fopts["fault_max"])
-            if "fault_delay" in fopts:
-                delay = fopts["fault_delay"]
-                if isinstance(delay, str) and "," in delay:
-                    lo, _, hi = delay.partition(",")
-                    spec_args["delay"] = (
-                        option_float("fault_delay", lo),
-                        option_float("fault_delay", hi),
-                    )
-                elif isinstance(delay, tuple):
-                    spec_args["delay"] = delay
-                else:
-                    spec_args["delay"] = option_float("fault_delay", delay)
-            if "fault_error" in fopts:
-                err = fopts["fault_error"]
-                if isinstance(err, str):
-                    if err not in errors:
-                        raise ConfigError(
-                            f"fault_error must be one of {sorted(errors)}, got {err!r}"
-                        )
-                    err = errors[err]
-                spec_args["error"] = err
-            if "fault_partial" in fopts:
-                spec_args["partial"] = fopts["fault_partial"]
-            seed = fopts.get("fault_seed")
-            plan = FaultPlan(
-                (FaultSpec(**spec_args),),
-                seed=None if seed in (None, "") else option_int("fault_seed", seed),
-            )
+        fault_options = _take_fault_options(merged)
+        enabled = option_bool("fault_enabled", fault_options.pop("fault_enabled", True))
+        plan = _plan_from_options(fault_options, url)
         inner = await open_backend(inner_base, **merged)
         return cls(inner, plan, close_inner=True, enabled=enabled)
 
@@ -596,7 +641,7 @@ class FaultyBackend(StorageBackend):
             self._damage(d, damage, targets, got, idx)
             copies = [(t, pages[i]) for i, t, ok in zip(idx, targets, got, strict=True) if ok]
             if sum(t.nbytes for t, _ in copies) > _OFFLOAD_BYTES:
-                await _finish(asyncio.get_running_loop().run_in_executor(None, _deliver, copies))
+                await finish(asyncio.get_running_loop().run_in_executor(None, _deliver, copies))
             else:
                 _deliver(copies)
         out = [False] * len(keys)
@@ -760,10 +805,23 @@ class FaultyBackend(StorageBackend):
 
     async def _before(self, op: str) -> _Decision:
         """Draw this call's faults; sleep, raise or hang as they say."""
+        d = self._start_call(op)
+        if self._enabled:
+            self._draw(d)
+        # Every draw for this call is made above, before the first await, so
+        # concurrent calls cannot change one another's faults.
+        for st, delay in d.delays:
+            self._record(st, d, f"delayed {delay:.3f}s")
+            await self._sleep(delay)
+        if d.raising is not None and not d.raising.spec.after:
+            await self._raise(d.raising, d)
+        return d
+
+    def _start_call(self, op: str) -> _Decision:
+        """Number the call; refuse it during an outage (`fail_all`)."""
         self._check_open()
         call = self._calls
         self._calls += 1
-        d = _Decision(call, op)
         if self._down:
             self._counts["outage"] += 1
             self._raised += 1
@@ -771,46 +829,46 @@ class FaultyBackend(StorageBackend):
             raise BackendUnavailableError(
                 f"the {self.inner.name} backend is down (simulated outage)"
             )
-        if not self._enabled:
-            return d
+        return _Decision(call, op)
+
+    def _draw(self, d: _Decision) -> None:
+        """Consult the specs in plan order and file each fault that fires into ``d``.
+
+        A raising fault (``ERROR``, ``TIMEOUT``, ``HANG``) ends the consultation.
+        """
         for st in self._states:
-            spec = st.spec
-            if not spec.targets(op):
-                continue
-            st.calls += 1
-            if st.calls <= spec.after_calls:
-                continue
-            if spec.max_faults is not None and st.faults >= spec.max_faults:
-                continue
-            # Draw even at probability 1 or 0 so that a plan's other specs see
-            # the same sequence whatever the probabilities.
-            if self._rng.random() >= spec.probability:
+            if not self._fires(st, d.op):
                 continue
             # Reserve the fault now, so concurrent calls cannot overrun max_faults;
             # a result-shaping fault that finds nothing to shape gives it back.
             st.faults += 1
-            kind = spec.kind
+            kind = st.spec.kind
             if kind is FaultKind.LATENCY:
-                d.delays.append((st, self._draw_delay(spec)))
+                d.delays.append((st, self._draw_delay(st.spec)))
             elif kind in _RAISING:
                 d.raising = st
                 if kind is FaultKind.TIMEOUT:
-                    d.raise_delay = self._draw_delay(spec)
-                break
+                    d.raise_delay = self._draw_delay(st.spec)
+                return
             else:
                 assert kind in _SHAPING
                 if d.rng is None:
                     d.rng = random.Random(self._rng.getrandbits(64))
                 d.shaping.append(st)
-        # Every draw for this call is made above, before the first await, so
-        # concurrent calls cannot change one another's faults.
-        for st, delay in d.delays:
-            self._record(st, d, f"delayed {delay:.3f}s")
-            await self._sleep(delay)
-        st_r = d.raising
-        if st_r is not None and not st_r.spec.after:
-            await self._raise(st_r, d)
-        return d
+
+    def _fires(self, st: _SpecState, op: str) -> bool:
+        """Count a matching call against ``st`` and draw whether it faults."""
+        spec = st.spec
+        if not spec.targets(op):
+            return False
+        st.calls += 1
+        if st.calls <= spec.after_calls:
+            return False
+        if spec.max_faults is not None and st.faults >= spec.max_faults:
+            return False
+        # Draw even at probability 1 or 0 so that a plan's other specs see
+        # the same sequence whatever the probabilities.
+        return self._rng.random() < spec.probability
 
     async def _forward(self, d: _Decision, pending: list[_SpecState], call: Awaitable[_T]) -> _T:
         """Await the wrapped backend; if it fails, give back the faults reserved
@@ -927,20 +985,3 @@ def _deliver(copies: list[tuple[PageBuffer, PageBuffer]]) -> None:
     """Copy scratch pages into the caller's pages (any thread)."""
     for src, dst in copies:
         dst.write(src.segments[0])
-
-
-async def _finish(fut: asyncio.Future[None]) -> None:
-    """Await an executor copy; if cancelled, still wait for it to end, then re-raise.
-
-    The copy writes into the caller's pages, so it must be over before the
-    caller regains control and perhaps reuses them.
-    """
-    try:
-        await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        while not fut.done():
-            try:
-                await asyncio.wait([fut])
-            except asyncio.CancelledError:
-                continue
-        raise
