@@ -513,7 +513,27 @@ def test_generate_rejects_bad_prefixes_and_allocators() -> None:
         model.generate(pool, PageAllocator(SLOTS, 8), prompt, 2)
     with pytest.raises(InvalidInputError):
         model.generate(pool, alloc, prompt, -1)
+    for count in (True, 2.0, "2"):
+        with pytest.raises(InvalidInputError, match="max_new_tokens"):
+            model.generate(pool, alloc, prompt, count)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="stop_token_id"):
+        model.generate(pool, alloc, prompt, 2, stop_token_id=False)  # type: ignore[arg-type]
     assert alloc.available == SLOTS
+
+
+def test_numpy_integers_are_ints_for_the_config_the_tokens_and_generate() -> None:
+    np = pytest.importorskip("numpy")
+    cfg = TinyConfig(num_layers=np.int64(2), seed=np.int32(3))
+    assert type(cfg.num_layers) is int and type(cfg.seed) is int
+    model = TinyCausalLM(cfg)
+    pool = DeviceKVPool(cfg.kv_layout(PAGE), SLOTS)
+    prompt = tokens(6).tolist()
+    as_numpy = [np.int64(t) for t in prompt]
+    logits = model.prefill(pool, as_numpy, slots(0, 6))
+    assert_fp32(logits, model.reference_forward(prompt))
+    alloc = PageAllocator(SLOTS, PAGE)
+    first = model.generate(pool, alloc, prompt, np.int64(3), stop_token_id=np.int64(-1))
+    assert len(first.generated) == 3
 
 
 @pytest.mark.gpu

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tiercache._checks import check_bool, check_count, check_int, is_int
 from tiercache.errors import CapacityError, ConfigError, InvalidInputError
 from tiercache.memory import DeviceKVPool, KVLayout, PageAllocator, check_slot_indices
 from tiercache.memory.layout import dtype_name
@@ -56,12 +57,6 @@ MODEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfl
 LayerReady = Callable[[int], None]
 
 TokenIds = Sequence[int] | torch.Tensor
-
-
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +110,8 @@ class TinyConfig:
             "head_dim",
             "intermediate_size",
         ):
-            _positive(name, getattr(self, name))
+            value = check_int(getattr(self, name), name, minimum=1, error=ConfigError)
+            object.__setattr__(self, name, value)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
@@ -130,10 +126,9 @@ class TinyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"seed must be an int, got {self.seed!r}")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ConfigError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        object.__setattr__(self, "seed", check_int(self.seed, "seed", error=ConfigError))
+        tie = check_bool(self.tie_embeddings, "tie_embeddings", error=ConfigError)
+        object.__setattr__(self, "tie_embeddings", tie)
 
     def kv_layout(self, page_size: int) -> KVLayout:
         """The `KVLayout` (MHA) of this model's KV cache with pages of ``page_size`` tokens.
@@ -233,6 +228,51 @@ class _Checked:
     new_slots: torch.Tensor
     prefix_slots: torch.Tensor
     positions: torch.Tensor
+
+
+class _GrowingAllocation:
+    """The slots one `TinyCausalLM.generate` call takes, grown a whole page at a time.
+
+    Used from the calling thread only. ``slots(used, more)`` returns slots
+    ``[used, used + more)`` of the allocation, taking just enough whole pages
+    first, so at most one page is ever partly used.
+    """
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self.pages: list[torch.Tensor] = []
+        self.num_slots = 0
+
+    def slots(self, used: int, more: int) -> torch.Tensor:
+        """Slots ``[used, used + more)``, allocating whole pages if the allocation is short.
+
+        Raises:
+            CapacityError: the allocator has too few free pages.
+        """
+        short = used + more - self.num_slots
+        if short > 0:
+            ps = self.allocator.page_size
+            want = -(-short // ps) * ps
+            got = self.allocator.alloc(want)
+            if got is None:
+                raise CapacityError(
+                    f"the device pool has {self.allocator.available} free slots, "
+                    f"generation needs {want} more"
+                )
+            self.pages.append(got)
+            self.num_slots += want
+        return torch.cat(self.pages)[used : used + more]
+
+    def slots_taken(self) -> torch.Tensor:
+        """Every slot allocated so far, in order (page-aligned)."""
+        return torch.cat(self.pages) if self.pages else torch.empty(0, dtype=torch.int64)
+
+    def free(self) -> None:
+        """Give every page back to the allocator."""
+        for p in self.pages:
+            self.allocator.free(p)
+        self.pages.clear()
+        self.num_slots = 0
 
 
 class TinyCausalLM:
@@ -373,9 +413,7 @@ class TinyCausalLM:
         Raises:
             InvalidInputError: as `prefill`.
         """
-        if isinstance(new_slot, bool) or not isinstance(new_slot, int):
-            raise InvalidInputError(f"new_slot must be an int, got {new_slot!r}")
-        slots = torch.tensor([new_slot], dtype=torch.int64)
+        slots = torch.tensor([check_int(new_slot, "new_slot")], dtype=torch.int64)
         return self.prefill(pool, [token_id], slots, prefix_slots, layer_ready)[0]
 
     def forward(
@@ -494,91 +532,62 @@ class TinyCausalLM:
                 size does not match the pool.
             CapacityError: the allocator ran out of pages.
         """
-        self._check_pool(pool)
-        if not isinstance(allocator, PageAllocator):
-            raise InvalidInputError(
-                f"allocator must be a PageAllocator, got {type(allocator).__name__}"
-            )
-        ps = allocator.page_size
-        if ps != pool.layout.page_size or allocator.num_slots > pool.num_slots:
-            raise InvalidInputError(
-                f"{allocator!r} does not hand out slots of {pool!r} (page size or size differs)"
-            )
-        if (
-            isinstance(max_new_tokens, bool)
-            or not isinstance(max_new_tokens, int)
-            or max_new_tokens < 0
-        ):
-            raise InvalidInputError(
-                f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}"
-            )
-        if stop_token_id is not None and (
-            isinstance(stop_token_id, bool) or not isinstance(stop_token_id, int)
-        ):
-            raise InvalidInputError(f"stop_token_id must be an int or None, got {stop_token_id!r}")
+        ps = self._check_allocator(pool, allocator)
+        max_new_tokens = check_count(max_new_tokens, "max_new_tokens")
+        if stop_token_id is not None:
+            stop_token_id = check_int(stop_token_id, "stop_token_id")
         prompt = self._check_tokens(prompt_ids, "prompt_ids")
-        if prefix_slots is None:
-            prefix = torch.empty(0, dtype=torch.int64)
-        else:
-            prefix = check_slot_indices(prefix_slots, ps, pool.num_slots, "prefix_slots")
-        num_prefix = prefix.numel()
-        if num_prefix >= prompt.numel():
-            raise InvalidInputError(
-                f"prefix_slots cover {num_prefix} tokens of a {prompt.numel()}-token prompt: "
-                "leave at least one prompt token to compute"
-            )
-        prompt_list = [int(t) for t in prompt.tolist()]
-
-        pages: list[torch.Tensor] = []
-        allocated_slots = 0
-
-        def slots_for(n_used: int, n_more: int) -> torch.Tensor:
-            # Slots [n_used, n_used + n_more) of this call's allocation, growing it by whole pages.
-            nonlocal allocated_slots
-            short = n_used + n_more - allocated_slots
-            if short > 0:
-                want = -(-short // ps) * ps
-                got = allocator.alloc(want)
-                if got is None:
-                    raise CapacityError(
-                        f"the device pool has {allocator.available} free slots, "
-                        f"generation needs {want} more"
-                    )
-                pages.append(got)
-                allocated_slots += want
-            return torch.cat(pages)[n_used : n_used + n_more]
-
+        prefix = self._check_prefix(pool, prefix_slots, prompt.numel(), ps)
+        pages = _GrowingAllocation(allocator)
         try:
-            n_compute = prompt.numel() - num_prefix
-            new = slots_for(0, n_compute)
-            logits = self.prefill(pool, prompt[num_prefix:], new, prefix, layer_ready)
-            context = torch.cat([prefix, new])
-            generated: list[int] = []
-            used = n_compute
-            while len(generated) < max_new_tokens:
-                token = int(logits[-1].argmax())
-                generated.append(token)
-                if len(generated) == max_new_tokens or token == stop_token_id:
-                    break
-                slot = slots_for(used, 1)
-                logits = self.prefill(pool, [token], slot, context)
-                context = torch.cat([context, slot])
-                used += 1
+            generated, slots = self._generate(
+                pool, pages, prompt, prefix, max_new_tokens, layer_ready, stop_token_id
+            )
         except BaseException:
-            for p in pages:
-                allocator.free(p)
+            pages.free()
             raise
-        allocated = torch.cat(pages) if pages else torch.empty(0, dtype=torch.int64)
-        kv_tokens = prompt_list + generated[: max(0, len(generated) - 1)]
-        assert context.numel() == len(kv_tokens)
+        # The last generated token is never fed back, so its K/V was never computed.
+        kv_tokens = [int(t) for t in prompt.tolist()] + generated[:-1]
+        assert slots.numel() == len(kv_tokens)
         return GenerateResult(
             generated=generated,
             kv_token_ids=kv_tokens,
-            slots=context,
-            allocated=allocated,
-            num_prefix=num_prefix,
+            slots=slots,
+            allocated=pages.slots_taken(),
+            num_prefix=prefix.numel(),
             page_size=ps,
         )
+
+    def _generate(
+        self,
+        pool: DeviceKVPool,
+        pages: _GrowingAllocation,
+        prompt: torch.Tensor,
+        prefix: torch.Tensor,
+        max_new_tokens: int,
+        layer_ready: LayerReady | None,
+        stop_token_id: int | None,
+    ) -> tuple[list[int], torch.Tensor]:
+        """Prefill the uncached part of ``prompt``, then decode greedily one token a step.
+
+        Returns:
+            The generated tokens and the slots holding the K/V of every token
+            fed to the model (``prefix`` first), in order.
+        """
+        num_prefix = prefix.numel()
+        new = pages.slots(0, prompt.numel() - num_prefix)
+        logits = self.prefill(pool, prompt[num_prefix:], new, prefix, layer_ready)
+        context = torch.cat([prefix, new])
+        generated: list[int] = []
+        while len(generated) < max_new_tokens:
+            token = int(logits[-1].argmax())
+            generated.append(token)
+            if len(generated) == max_new_tokens or token == stop_token_id:
+                break
+            slot = pages.slots(context.numel() - num_prefix, 1)
+            logits = self.prefill(pool, [token], slot, context)
+            context = torch.cat([context, slot])
+        return generated, context
 
     # ---------------------------------------------------------------- checks
 
@@ -600,6 +609,33 @@ class TinyCausalLM:
         if pool.device != self.device:
             raise InvalidInputError(f"pool is on {pool.device}, the model on {self.device}")
 
+    def _check_allocator(self, pool: DeviceKVPool, allocator: object) -> int:
+        """Check that ``allocator`` hands out slots of ``pool``; return its page size."""
+        self._check_pool(pool)
+        if not isinstance(allocator, PageAllocator):
+            raise InvalidInputError(
+                f"allocator must be a PageAllocator, got {type(allocator).__name__}"
+            )
+        if allocator.page_size != pool.layout.page_size or allocator.num_slots > pool.num_slots:
+            raise InvalidInputError(
+                f"{allocator!r} does not hand out slots of {pool!r} (page size or size differs)"
+            )
+        return allocator.page_size
+
+    def _check_prefix(
+        self, pool: DeviceKVPool, prefix_slots: object, num_prompt: int, page_size: int
+    ) -> torch.Tensor:
+        """Whole-page prefix slots (empty for ``None``) that leave a prompt token to compute."""
+        if prefix_slots is None:
+            return torch.empty(0, dtype=torch.int64)
+        prefix = check_slot_indices(prefix_slots, page_size, pool.num_slots, "prefix_slots")
+        if prefix.numel() >= num_prompt:
+            raise InvalidInputError(
+                f"prefix_slots cover {prefix.numel()} tokens of a {num_prompt}-token prompt: "
+                "leave at least one prompt token to compute"
+            )
+        return prefix
+
     def _check_tokens(self, token_ids: object, what: str) -> torch.Tensor:
         if isinstance(token_ids, torch.Tensor):
             if (
@@ -610,9 +646,11 @@ class TinyCausalLM:
                 raise InvalidInputError(f"{what} must be an integer tensor, got {token_ids.dtype}")
             tokens = token_ids.to(device=self.device, dtype=torch.int64)
         elif isinstance(token_ids, Sequence) and not isinstance(token_ids, str | bytes):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            if not all(is_int(t) for t in token_ids):
                 raise InvalidInputError(f"{what} must be ints")
-            tokens = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
+            tokens = torch.tensor(
+                [int(t) for t in token_ids], dtype=torch.int64, device=self.device
+            )
         else:
             raise InvalidInputError(
                 f"{what} must be a sequence of ints or a tensor, got {type(token_ids).__name__}"
