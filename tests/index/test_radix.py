@@ -550,3 +550,83 @@ def test_check_invariants_catches_corruption() -> None:
     node.device_indices = slots(0, 2)
     with pytest.raises(AssertionError, match="slots"):
         index.check_invariants()
+
+
+# -- the invariant checker -------------------------------------------------------
+
+
+def _evict_upper_only(upper: Node, lower: Node) -> None:
+    upper.host_indices = slots(20, 4)
+    upper.device_indices = None
+
+
+def _break_lower_lock(upper: Node, lower: Node) -> None:
+    upper.lock_ref = 0
+    lower.lock_ref = 1
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda upper, lower: setattr(lower, "parent", None), "wrong parent"),
+        (lambda upper, lower: setattr(lower, "lock_ref", -1), "negative count"),
+        (lambda upper, lower: setattr(lower, "hit_count", -1), "negative hit count"),
+        (lambda upper, lower: lower.page_hashes.__setitem__(0, "0" * 64), "break the chain"),
+        (lambda upper, lower: setattr(lower, "device_indices", slots(0, 2)), "has 2 slots"),
+        (
+            lambda upper, lower: setattr(lower, "host_indices", [0, 1, 2, 3]),
+            "not an int64 tensor",
+        ),
+        (lambda upper, lower: setattr(lower, "device_indices", None), "neither tier"),
+        (_evict_upper_only, "its parent"),
+        (lambda upper, lower: setattr(lower, "write_id", 123), "being written"),
+        (_break_lower_lock, "fewer locks"),
+        (lambda upper, lower: setattr(upper, "host_pin", -1), "negative count"),
+        (lambda upper, lower: setattr(lower, "extra_key", "other"), "namespace"),
+    ],
+)
+def test_check_invariants_names_each_broken_invariant(damage: object, message: str) -> None:
+    index, _ = make(2)
+    index.insert(list(range(8)), slots(0, 8))
+    index.match_prefix(list(range(4)))  # split: upper [0..3], lower [4..7]
+    upper = index.match_prefix(list(range(4))).last_node
+    lower = next(iter(upper.children.values()))
+    index.check_invariants()
+    damage(upper, lower)  # type: ignore[operator]
+    with pytest.raises(AssertionError, match=message):
+        index.check_invariants()
+
+
+def test_check_invariants_catches_a_wrong_token_count_and_a_lost_write() -> None:
+    index, _ = make(2)
+    r = index.insert(list(range(4)), slots(0, 4))
+    assert r.node is not None
+    r.node.host_indices = slots(10, 4)  # host slots that no write or count knows of
+    with pytest.raises(AssertionError, match="host tokens"):
+        index.check_invariants()
+    r.node.host_indices = None
+    index.begin_write(r.node, slots(10, 4))
+    index.check_invariants()
+    r.node.write_id = None  # the write is still recorded as in flight
+    with pytest.raises(AssertionError, match="in-flight writes"):
+        index.check_invariants()
+
+
+def test_numpy_integers_are_ints_and_bools_are_not() -> None:
+    index = RadixIndex(np.int64(2))
+    assert type(index.page_size) is int
+    r = index.insert([np.int64(t) for t in range(6)], slots(0, 6))
+    assert r.node is not None and r.node.key == (0, 1, 2, 3, 4, 5)
+    upper = index.split(r.node, np.int32(2))
+    assert upper.key == (0, 1)
+    assert len(index.evict_device_candidates(np.int64(2))) == 1
+    for bad in (True, 2.0):
+        with pytest.raises(InvalidInputError):
+            RadixIndex(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInputError):
+            index.split(r.node, bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInputError):
+            index.evict_device_candidates(bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError):
+        index.insert([True, False], slots(6, 2))
+    index.check_invariants()

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiercache._checks import check_count, check_int, is_int
 from tiercache.errors import InvalidInputError, StateError
 from tiercache.index.hashing import pack_tokens
 from tiercache.index.hashing import page_hashes as _chain_hashes
@@ -222,6 +223,43 @@ class InsertResult:
     last_node: Node
 
 
+@dataclass(slots=True)
+class _Seen:
+    """What `RadixIndex.check_invariants` counts while walking the tree."""
+
+    nodes: int = 0
+    device_tokens: int = 0
+    host_tokens: int = 0
+    writes: dict[int, list[Node]] = field(default_factory=dict)
+
+    def add(self, n: Node) -> None:
+        self.nodes += 1
+        if n.device_indices is not None:
+            self.device_tokens += len(n.key)
+        if n.host_indices is not None:
+            self.host_tokens += len(n.key)
+        if n.write_id is not None:
+            self.writes.setdefault(n.write_id, []).append(n)
+
+
+def _check_slots(n: Node, name: str, t: torch.Tensor | None) -> None:
+    """``t`` (``n.<name>``) is ``None`` or a 1-D CPU ``int64`` tensor, one slot per token."""
+    if t is None:
+        return
+    assert isinstance(t, torch.Tensor) and t.dtype == torch.int64, (
+        f"{n}.{name} is not an int64 tensor"
+    )
+    assert t.device.type == "cpu" and t.dim() == 1, f"{n}.{name} is not 1-D on the CPU"
+    assert t.numel() == len(n.key), f"{n}.{name} has {t.numel()} slots"
+
+
+def _check_counts_cover_children(p: Node) -> None:
+    """A node's lock and pin counts include those of its children."""
+    children = p.children.values()
+    assert p.lock_ref >= sum(c.lock_ref for c in children), f"{p} has fewer locks than its children"
+    assert p.host_pin >= sum(c.host_pin for c in children), f"{p} has fewer pins than its children"
+
+
 class RadixIndex:
     """A radix tree over page-aligned token sequences, recording where each page lives.
 
@@ -242,9 +280,7 @@ class RadixIndex:
     """
 
     def __init__(self, page_size: int, *, clock: Callable[[], float] = time.monotonic) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise InvalidInputError(f"page_size must be a positive int, got {page_size!r}")
-        self.page_size = page_size
+        self.page_size = check_int(page_size, "page_size", minimum=1)
         self.clock = clock
         self._ids = itertools.count()
         self.reset()
@@ -412,17 +448,12 @@ class RadixIndex:
         if node.is_root:
             raise StateError("a root cannot be split")
         ps = self.page_size
-        if (
-            isinstance(at_tokens, bool)
-            or not isinstance(at_tokens, int)
-            or at_tokens % ps
-            or not 0 < at_tokens < len(node.key)
-        ):
+        if not is_int(at_tokens) or at_tokens % ps or not 0 < at_tokens < len(node.key):
             raise InvalidInputError(
                 f"split point must be a multiple of page_size={ps} inside (0, {len(node.key)}), "
                 f"got {at_tokens!r}"
             )
-        return self._split(node, at_tokens)
+        return self._split(node, int(at_tokens))
 
     def _split(self, node: Node, at: int) -> Node:
         parent = node.parent
@@ -517,23 +548,10 @@ class RadixIndex:
                 dup += len(n.key)
             start += len(n.key)
         parent = path[-1] if path else root
-        new: Node | None = None
-        if pos < len(key):
-            if parent.is_root:
-                self._roots.setdefault(parent.extra_key, parent)
-            new = Node(
-                key[pos:],
-                parent,
-                next(self._ids),
-                extra_key=root.extra_key,
-                device_indices=dev[pos:],
-                page_hashes=new_hashes,
-                last_access=now,
-            )
-            parent.children[new.key[: self.page_size]] = new
-            self._device_tokens += len(new.key)
-            self._num_nodes += 1
-        return InsertResult(dup, reattached, new, new if new is not None else parent)
+        if pos == len(key):
+            return InsertResult(dup, reattached, None, parent)
+        new = self._add_child(parent, key[pos:], new_hashes, now, device_indices=dev[pos:])
+        return InsertResult(dup, reattached, new, new)
 
     def insert_host(
         self,
@@ -573,46 +591,69 @@ class RadixIndex:
         self._check_pages(len(key), "tokens")
         pack_tokens(key)  # token range check before anything changes
         host = self._as_indices(host_indices, len(key), "host_indices")
-        if parent is None or parent.is_root:
-            if parent is not None:
-                self._check_attached(parent)
-            ns = extra_key if parent is None else parent.extra_key
-            start_node = self._namespace_root(ns)
-        else:
-            self._check_attached(parent)
-            start_node = parent
-        if page_hashes is not None:
-            hashes = list(page_hashes)
-            if len(hashes) != len(key) // self.page_size or not all(
-                isinstance(h, str) for h in hashes
-            ):
-                raise InvalidInputError(
-                    f"page_hashes must hold {len(key) // self.page_size} str hashes, got {len(hashes)}"
-                )
-        path = self._walk(start_node, key)
+        start = self._continued_node(parent, extra_key)
+        hashes = self._given_hashes(page_hashes, len(key) // self.page_size)
+        # Nothing can fail past this point.
+        path = self._walk(start, key)
         pos = sum(len(n.key) for n in path)
-        last = path[-1] if path else start_node
+        last = path[-1] if path else start
         if pos == len(key):
             return InsertResult(pos, 0, None, last)
-        if page_hashes is None:
+        if hashes is None:
             new_hashes = _chain_hashes(key[pos:], self.page_size, self._prior_of(last))
         else:
             new_hashes = hashes[pos // self.page_size :]
-        if last.is_root:
-            self._roots.setdefault(last.extra_key, last)
-        new = Node(
-            key[pos:],
-            last,
-            next(self._ids),
-            extra_key=start_node.extra_key,
-            host_indices=host[pos:],
-            page_hashes=new_hashes,
-            last_access=self.clock(),
-        )
-        last.children[new.key[: self.page_size]] = new
-        self._host_tokens += len(new.key)
-        self._num_nodes += 1
+        new = self._add_child(last, key[pos:], new_hashes, self.clock(), host_indices=host[pos:])
         return InsertResult(pos, 0, new, new)
+
+    def _continued_node(self, parent: Node | None, extra_key: str | None) -> Node:
+        """The node `insert_host` continues: ``parent``, or the root of ``extra_key``."""
+        if parent is None:
+            return self._namespace_root(extra_key)
+        self._check_attached(parent)
+        return self._namespace_root(parent.extra_key) if parent.is_root else parent
+
+    def _given_hashes(self, page_hashes: Sequence[str] | None, num_pages: int) -> list[str] | None:
+        """``page_hashes`` as a list, after checking there is one str per page."""
+        if page_hashes is None:
+            return None
+        hashes = list(page_hashes)
+        if len(hashes) != num_pages or not all(isinstance(h, str) for h in hashes):
+            raise InvalidInputError(
+                f"page_hashes must hold {num_pages} str hashes, got {len(hashes)}"
+            )
+        return hashes
+
+    def _add_child(
+        self,
+        parent: Node,
+        key: tuple[int, ...],
+        page_hashes: list[str],
+        now: float,
+        *,
+        device_indices: torch.Tensor | None = None,
+        host_indices: torch.Tensor | None = None,
+    ) -> Node:
+        """Hang a new node holding ``key`` under ``parent``; count its tokens on its tiers."""
+        if parent.is_root:
+            self._roots.setdefault(parent.extra_key, parent)
+        new = Node(
+            key,
+            parent,
+            next(self._ids),
+            extra_key=parent.extra_key,
+            device_indices=device_indices,
+            host_indices=host_indices,
+            page_hashes=page_hashes,
+            last_access=now,
+        )
+        parent.children[key[: self.page_size]] = new
+        if device_indices is not None:
+            self._device_tokens += len(key)
+        if host_indices is not None:
+            self._host_tokens += len(key)
+        self._num_nodes += 1
+        return new
 
     def attach_device(self, node: Node, device_indices: torch.Tensor) -> list[Node]:
         """Give device slots to the host-only nodes on the path to ``node`` (a load back).
@@ -944,73 +985,63 @@ class RadixIndex:
         Raises:
             AssertionError: with a message naming the broken invariant and node.
         """
-        ps = self.page_size
-        dev_total = host_total = count = 0
-        seen_writes: dict[int, list[Node]] = {}
         assert self._roots.get(None) is self.root, "the default root is missing"
+        seen = _Seen()
         for ns, root in self._roots.items():
-            assert root.is_root and root.parent is None, f"root {root} has a key or a parent"
-            assert root.extra_key == ns, f"root {root} is filed under {ns!r}"
-            assert root.device_indices is None and root.host_indices is None, "a root holds slots"
-            assert not root.page_hashes and root.lock_ref == 0 and root.host_pin == 0, (
-                f"root {root} has hashes, locks or pins"
-            )
-            assert ns is None or root.children, f"empty namespace {ns!r} was not dropped"
+            self._check_root(ns, root)
             stack = [root]
             while stack:
                 p = stack.pop()
-                child_locks = child_pins = 0
                 for first, c in p.children.items():
-                    count += 1
+                    self._check_child(first, c, p, ns)
+                    seen.add(c)
                     stack.append(c)
-                    assert c.parent is p, f"{c} has the wrong parent"
-                    assert c.key and len(c.key) % ps == 0, f"{c} key is not whole pages"
-                    assert first == c.key[:ps], f"{c} is filed under the wrong first page"
-                    assert c.extra_key == ns, f"{c} is in namespace {ns!r}"
-                    for name in ("device_indices", "host_indices"):
-                        t = getattr(c, name)
-                        if t is not None:
-                            assert isinstance(t, torch.Tensor) and t.dtype == torch.int64, (
-                                f"{c}.{name} is not an int64 tensor"
-                            )
-                            assert t.device.type == "cpu" and t.dim() == 1, (
-                                f"{c}.{name} is not 1-D on the CPU"
-                            )
-                            assert t.numel() == len(c.key), f"{c}.{name} has {t.numel()} slots"
-                    assert c.device_indices is not None or c.host_indices is not None, (
-                        f"{c} is on neither tier"
-                    )
-                    if c.device_indices is not None:
-                        dev_total += len(c.key)
-                        assert p.is_root or p.device_indices is not None, (
-                            f"{c} is on the device but its parent {p} is not"
-                        )
-                    if c.host_indices is not None:
-                        host_total += len(c.key)
-                    assert c.lock_ref >= 0 and c.host_pin >= 0, f"{c} has a negative count"
-                    child_locks += c.lock_ref
-                    child_pins += c.host_pin
-                    assert c.hit_count >= 0, f"{c} has a negative hit count"
-                    expect = _chain_hashes(c.key, ps, self._prior_of(p))
-                    assert c.page_hashes == expect, f"{c} page hashes break the chain"
-                    if c.write_id is not None:
-                        assert c.host_indices is not None and c.lock_ref > 0, (
-                            f"{c} is being written but is unlocked or has no host slots"
-                        )
-                        seen_writes.setdefault(c.write_id, []).append(c)
                 if not p.is_root:
-                    assert p.lock_ref >= child_locks, f"{p} has fewer locks than its children"
-                    assert p.host_pin >= child_pins, f"{p} has fewer pins than its children"
-        assert count == self._num_nodes, f"{count} nodes, counted {self._num_nodes}"
-        assert dev_total == self._device_tokens, (
-            f"{dev_total} device tokens, counted {self._device_tokens}"
+                    _check_counts_cover_children(p)
+        assert seen.nodes == self._num_nodes, f"{seen.nodes} nodes, counted {self._num_nodes}"
+        assert seen.device_tokens == self._device_tokens, (
+            f"{seen.device_tokens} device tokens, counted {self._device_tokens}"
         )
-        assert host_total == self._host_tokens, (
-            f"{host_total} host tokens, counted {self._host_tokens}"
+        assert seen.host_tokens == self._host_tokens, (
+            f"{seen.host_tokens} host tokens, counted {self._host_tokens}"
         )
-        assert set(seen_writes) == set(self._writes), "in-flight writes disagree with the nodes"
+        self._check_writes(seen.writes)
+
+    def _check_root(self, ns: str | None, root: Node) -> None:
+        assert root.is_root and root.parent is None, f"root {root} has a key or a parent"
+        assert root.extra_key == ns, f"root {root} is filed under {ns!r}"
+        assert root.device_indices is None and root.host_indices is None, "a root holds slots"
+        assert not root.page_hashes and root.lock_ref == 0 and root.host_pin == 0, (
+            f"root {root} has hashes, locks or pins"
+        )
+        assert ns is None or root.children, f"empty namespace {ns!r} was not dropped"
+
+    def _check_child(self, first: tuple[int, ...], c: Node, p: Node, ns: str | None) -> None:
+        """Every invariant of one node ``c`` that its parent ``p`` and namespace decide."""
+        ps = self.page_size
+        assert c.parent is p, f"{c} has the wrong parent"
+        assert c.key and len(c.key) % ps == 0, f"{c} key is not whole pages"
+        assert first == c.key[:ps], f"{c} is filed under the wrong first page"
+        assert c.extra_key == ns, f"{c} is in namespace {ns!r}"
+        _check_slots(c, "device_indices", c.device_indices)
+        _check_slots(c, "host_indices", c.host_indices)
+        assert c.device_indices is not None or c.host_indices is not None, f"{c} is on neither tier"
+        assert c.device_indices is None or p.is_root or p.device_indices is not None, (
+            f"{c} is on the device but its parent {p} is not"
+        )
+        assert c.lock_ref >= 0 and c.host_pin >= 0, f"{c} has a negative count"
+        assert c.hit_count >= 0, f"{c} has a negative hit count"
+        expect = _chain_hashes(c.key, ps, self._prior_of(p))
+        assert c.page_hashes == expect, f"{c} page hashes break the chain"
+        assert c.write_id is None or (c.host_indices is not None and c.lock_ref > 0), (
+            f"{c} is being written but is unlocked or has no host slots"
+        )
+
+    def _check_writes(self, seen: dict[int, list[Node]]) -> None:
+        """The in-flight writes recorded agree with the nodes that carry a ``write_id``."""
+        assert set(seen) == set(self._writes), "in-flight writes disagree with the nodes"
         for wid, covering in self._writes.items():
-            assert {n.id for n in covering} == {n.id for n in seen_writes[wid]}, (
+            assert {n.id for n in covering} == {n.id for n in seen[wid]}, (
                 f"write {wid} covers the wrong nodes"
             )
             for upper, lower in itertools.pairwise(covering):
@@ -1099,8 +1130,7 @@ class RadixIndex:
 
     @staticmethod
     def _check_count(num_tokens: int) -> None:
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise InvalidInputError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        check_count(num_tokens, "num_tokens")
 
     @staticmethod
     def _as_key(tokens: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
@@ -1120,7 +1150,7 @@ class RadixIndex:
             except TypeError as e:
                 raise InvalidInputError(f"tokens must be a sequence of ints: {e}") from e
         if not all(type(t) is int for t in key):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in key):
+            if not all(is_int(t) for t in key):
                 raise InvalidInputError("tokens must be ints")
             key = tuple(int(t) for t in key)
         return key
