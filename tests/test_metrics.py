@@ -237,6 +237,24 @@ async def test_two_collectors_in_one_registry_are_refused() -> None:
         await backend.aclose()
 
 
+async def test_register_in_two_registries_and_close_leaves_both() -> None:
+    backend = MemoryBackend()
+    first, second = CollectorRegistry(), CollectorRegistry()
+    collector = tiercache.metrics.TierCacheCollector(backend)
+    try:
+        collector.register_in(first)
+        collector.register_in(second)
+        for registry in (first, second):
+            assert b"tiercache_backend_get_pages_total" in generate_latest(registry)
+        with pytest.raises(ValueError, match="Duplicated"):
+            collector.register_in(first)
+    finally:
+        await collector.aclose()
+        await backend.aclose()
+    for registry in (first, second):
+        assert b"tiercache_backend_get_pages_total" not in generate_latest(registry)
+
+
 def test_source_without_stats_is_refused() -> None:
     with pytest.raises(TypeError, match="stats"):
         tiercache.metrics.TierCacheCollector(object())

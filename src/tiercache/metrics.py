@@ -168,8 +168,135 @@ _BACKEND_COUNTERS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# (direction label, CacheStats byte counter) of ``transfer_bytes_total``.
+_TRANSFER_FIELDS: tuple[tuple[str, str], ...] = (
+    ("device_to_host", "bytes_device_to_host"),
+    ("host_to_device", "bytes_host_to_device"),
+    ("storage_to_host", "bytes_storage_read"),
+    ("host_to_storage", "bytes_storage_written"),
+)
+# (tier, direction into it, direction out of it one tier up) for the token counters.
+_TIER_DIRECTIONS: tuple[tuple[str, str, str], ...] = (
+    ("host", "device_to_host", "host_to_device"),
+    ("storage", "host_to_storage", "storage_to_host"),
+)
+
+
 def _num(value: Any) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+class _FamilyMaker:
+    """Makes metric families named ``<namespace>_<name>`` with the constant labels first."""
+
+    def __init__(self, namespace: str, labels: Mapping[str, str]) -> None:
+        self.namespace = namespace
+        self.names = list(labels)
+        self.values = list(labels.values())
+
+    def counter(self, name: str, doc: str, extra: Iterable[str] = ()) -> CounterMetricFamily:
+        return CounterMetricFamily(f"{self.namespace}_{name}", doc, labels=[*self.names, *extra])
+
+    def gauge(self, name: str, doc: str, extra: Iterable[str] = ()) -> GaugeMetricFamily:
+        return GaugeMetricFamily(f"{self.namespace}_{name}", doc, labels=[*self.names, *extra])
+
+    def labels(self, *more: str) -> list[str]:
+        """The constant label values followed by ``more``."""
+        return [*self.values, *more]
+
+
+def _lookup_families(make: _FamilyMaker, s: Any) -> Iterator[Metric]:
+    """The plain cache counters, and the hit and miss tokens per tier (``s``: CacheStats or None)."""
+    for suffix, field, doc in _CACHE_COUNTERS:
+        c = make.counter(suffix, doc)
+        if s is not None:
+            c.add_metric(make.values, _num(getattr(s, field, 0)))
+        yield c
+    hit = make.counter("hit_tokens", "Prompt tokens found on each tier.", ["tier"])
+    miss = make.counter(
+        "miss_tokens", "Prompt tokens that reached a tier and were not on it.", ["tier"]
+    )
+    if s is not None:
+        # A token that misses a tier goes on to the next: what is left after each.
+        remaining = _num(s.tokens_requested)
+        for tier in _TIERS_HIT:
+            h = _num(getattr(s, f"tokens_{tier}_hit", 0))
+            hit.add_metric(make.labels(tier), h)
+            remaining = max(0.0, remaining - h)
+            miss.add_metric(make.labels(tier), remaining)
+    yield hit
+    yield miss
+
+
+def _transfer_families(make: _FamilyMaker, s: Any, token_bytes: float) -> Iterator[Metric]:
+    """Bytes moved per direction, and the tokens they make (when the token size is known)."""
+    moved = {direction: _num(getattr(s, field, 0)) for direction, field in _TRANSFER_FIELDS}
+    tb = make.counter("transfer_bytes", "Bytes moved between tiers.", ["direction"])
+    if s is not None:
+        for direction, n in moved.items():
+            tb.add_metric(make.labels(direction), n)
+    yield tb
+    loaded = make.counter(
+        "loaded_tokens", "Tokens copied out of a tier into the tier above it.", ["tier"]
+    )
+    stored = make.counter("stored_tokens", "Tokens copied into a tier.", ["tier"])
+    if s is not None and token_bytes:
+        for tier, into, out_of in _TIER_DIRECTIONS:
+            loaded.add_metric(make.labels(tier), moved[out_of] // token_bytes)
+            stored.add_metric(make.labels(tier), moved[into] // token_bytes)
+    yield loaded
+    yield stored
+
+
+def _eviction_families(make: _FamilyMaker, s: Any) -> Iterator[Metric]:
+    """Evictions per tier and prefetch outcomes."""
+    ev = make.counter("evictions", "Evictions from a tier.", ["tier"])
+    evt = make.counter("evicted_tokens", "Tokens evicted from a tier.", ["tier"])
+    po = make.counter(
+        "prefetch_outcomes", "Storage prefetches that ended, by outcome.", ["outcome"]
+    )
+    if s is not None:
+        for tier in ("device", "host"):
+            ev.add_metric(make.labels(tier), _num(getattr(s, f"{tier}_evictions", 0)))
+            evt.add_metric(make.labels(tier), _num(getattr(s, f"{tier}_evicted_tokens", 0)))
+        for outcome in ("completed", "revoked", "terminated", "failed"):
+            po.add_metric(make.labels(outcome), _num(getattr(s, f"prefetch_{outcome}", 0)))
+    yield ev
+    yield evt
+    yield po
+
+
+def _tier_gauges(make: _FamilyMaker, extra: Mapping[str, Any]) -> Iterator[Metric]:
+    """Storage attachment and health, cached tokens and free slots (from ``CacheStats.extra``)."""
+    attached = make.gauge("storage_attached", "1 while a storage backend is attached.")
+    up = make.gauge(
+        "storage_up",
+        "1 while the attached storage backend answers, 0 while it is down and probed.",
+    )
+    if "storage_attached" in extra:
+        attached.add_metric(make.values, _num(extra["storage_attached"]))
+        if extra["storage_attached"]:
+            up.add_metric(make.values, 1.0 - _num(extra.get("storage_down", 0)))
+    yield attached
+    yield up
+    cached = make.gauge("cached_tokens", "Tokens held on a tier.", ["tier"])
+    free = make.gauge("free_slots", "Free token slots on a tier.", ["tier"])
+    for tier in ("device", "host"):
+        if f"{tier}_tokens_cached" in extra:
+            cached.add_metric(make.labels(tier), _num(extra[f"{tier}_tokens_cached"]))
+        if f"{tier}_free" in extra:
+            free.add_metric(make.labels(tier), _num(extra[f"{tier}_free"]))
+    yield cached
+    yield free
+
+
+def _backend_families(make: _FamilyMaker, s: Any, backend: str) -> Iterator[Metric]:
+    """A storage backend's own counters (``s``: BackendStats or None), labelled by its name."""
+    for suffix, field, doc in _BACKEND_COUNTERS:
+        c = make.counter(f"backend_{suffix}", doc, ["backend"])
+        if s is not None:
+            c.add_metric(make.labels(backend), _num(getattr(s, field, 0)))
+        yield c
 
 
 class TierCacheCollector(Collector):
@@ -340,105 +467,27 @@ class TierCacheCollector(Collector):
         return out
 
     def _families(self, stats: Any) -> Iterator[Metric]:
-        ns = self.namespace
-        names = list(self.labels)
-        values = list(self.labels.values())
-        is_backend = stats is not None and hasattr(stats, "get_pages")
-        is_cache = stats is not None and hasattr(stats, "tokens_requested")
-        describe = stats is None
+        """The metric families of one scrape (``stats`` read now), or of `describe` (``None``).
 
-        def counter(name: str, doc: str, extra: list[str] | None = None) -> CounterMetricFamily:
-            return CounterMetricFamily(f"{ns}_{name}", doc, labels=names + (extra or []))
-
-        def gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"{ns}_{name}", doc, labels=names + (extra or []))
-
-        if is_cache or (describe and not self._watches_backend()):
-            s = stats
-            for suffix, field, doc in _CACHE_COUNTERS:
-                c = counter(suffix, doc)
-                if s is not None:
-                    c.add_metric(values, _num(getattr(s, field, 0)))
-                yield c
-            hit = counter("hit_tokens", "Prompt tokens found on each tier.", ["tier"])
-            miss = counter(
-                "miss_tokens", "Prompt tokens that reached a tier and were not on it.", ["tier"]
-            )
-            if s is not None:
-                remaining = _num(s.tokens_requested)
-                for tier in _TIERS_HIT:
-                    h = _num(getattr(s, f"tokens_{tier}_hit", 0))
-                    hit.add_metric([*values, tier], h)
-                    remaining = max(0.0, remaining - h)
-                    miss.add_metric([*values, tier], remaining)
-            yield hit
-            yield miss
-            moved = {
-                "device_to_host": _num(getattr(s, "bytes_device_to_host", 0)),
-                "host_to_device": _num(getattr(s, "bytes_host_to_device", 0)),
-                "storage_to_host": _num(getattr(s, "bytes_storage_read", 0)),
-                "host_to_storage": _num(getattr(s, "bytes_storage_written", 0)),
-            }
-            tb = counter("transfer_bytes", "Bytes moved between tiers.", ["direction"])
-            if s is not None:
-                for direction, n in moved.items():
-                    tb.add_metric([*values, direction], n)
-            yield tb
+        A cache's stats give the cache families, a backend's the backend
+        families; without stats, the families of what ``source`` is.
+        """
+        make = _FamilyMaker(self.namespace, self.labels)
+        if stats is None:
+            backend = self._watches_backend()
+            cache = not backend
+        else:
+            backend = hasattr(stats, "get_pages")
+            cache = hasattr(stats, "tokens_requested")
+        if cache:
             token_bytes = _num(getattr(getattr(self.source, "layout", None), "token_bytes", 0))
-            loaded = counter(
-                "loaded_tokens", "Tokens copied out of a tier into the tier above it.", ["tier"]
-            )
-            stored = counter("stored_tokens", "Tokens copied into a tier.", ["tier"])
-            if s is not None and token_bytes:
-                loaded.add_metric([*values, "host"], moved["host_to_device"] // token_bytes)
-                loaded.add_metric([*values, "storage"], moved["storage_to_host"] // token_bytes)
-                stored.add_metric([*values, "host"], moved["device_to_host"] // token_bytes)
-                stored.add_metric([*values, "storage"], moved["host_to_storage"] // token_bytes)
-            yield loaded
-            yield stored
-            ev = counter("evictions", "Evictions from a tier.", ["tier"])
-            evt = counter("evicted_tokens", "Tokens evicted from a tier.", ["tier"])
-            if s is not None:
-                for tier in ("device", "host"):
-                    ev.add_metric([*values, tier], _num(getattr(s, f"{tier}_evictions", 0)))
-                    evt.add_metric([*values, tier], _num(getattr(s, f"{tier}_evicted_tokens", 0)))
-            yield ev
-            yield evt
-            po = counter(
-                "prefetch_outcomes", "Storage prefetches that ended, by outcome.", ["outcome"]
-            )
-            if s is not None:
-                for outcome in ("completed", "revoked", "terminated", "failed"):
-                    po.add_metric([*values, outcome], _num(getattr(s, f"prefetch_{outcome}", 0)))
-            yield po
-            extra: Mapping[str, Any] = getattr(s, "extra", None) or {}
-            attached = gauge("storage_attached", "1 while a storage backend is attached.")
-            up = gauge(
-                "storage_up",
-                "1 while the attached storage backend answers, 0 while it is down and probed.",
-            )
-            if "storage_attached" in extra:
-                attached.add_metric(values, _num(extra["storage_attached"]))
-                if extra["storage_attached"]:
-                    up.add_metric(values, 1.0 - _num(extra.get("storage_down", 0)))
-            yield attached
-            yield up
-            cached = gauge("cached_tokens", "Tokens held on a tier.", ["tier"])
-            free = gauge("free_slots", "Free token slots on a tier.", ["tier"])
-            for tier in ("device", "host"):
-                if f"{tier}_tokens_cached" in extra:
-                    cached.add_metric([*values, tier], _num(extra[f"{tier}_tokens_cached"]))
-                if f"{tier}_free" in extra:
-                    free.add_metric([*values, tier], _num(extra[f"{tier}_free"]))
-            yield cached
-            yield free
-        if is_backend or (describe and self._watches_backend()):
-            backend = str(getattr(self.source, "name", "storage"))
-            for suffix, field, doc in _BACKEND_COUNTERS:
-                c = counter(f"backend_{suffix}", doc, ["backend"])
-                if stats is not None:
-                    c.add_metric([*values, backend], _num(getattr(stats, field, 0)))
-                yield c
+            yield from _lookup_families(make, stats)
+            yield from _transfer_families(make, stats, token_bytes)
+            yield from _eviction_families(make, stats)
+            yield from _tier_gauges(make, getattr(stats, "extra", None) or {})
+        if backend:
+            name = str(getattr(self.source, "name", "storage"))
+            yield from _backend_families(make, stats, name)
         yield from self._copy.collect()
         yield from self._storage.collect()
         yield from self._lag.collect()
@@ -450,11 +499,20 @@ class TierCacheCollector(Collector):
 
     # -- lifecycle --------------------------------------------------------------
 
-    def _remember(self, registry: CollectorRegistry) -> None:
+    def register_in(self, registry: CollectorRegistry) -> None:
+        """Register in ``registry`` and remember it, so that `close` unregisters from it.
+
+        Callable from any thread.
+
+        Raises:
+            ValueError: ``registry`` already holds a collector exporting the
+                same names (nothing is remembered then).
+        """
+        registry.register(self)
         self._registries.append(registry)
 
     def close(self) -> None:
-        """Unregister from every registry `register` put it in, stop observing and sampling.
+        """Unregister from every registry `register_in` put it in, stop observing and sampling.
 
         Idempotent; callable from any thread. The loop sampler is cancelled;
         `aclose` also waits for it to end.
@@ -531,11 +589,10 @@ def register(
     collector = TierCacheCollector(source, loop=loop, labels=labels)
     registry = registry if registry is not None else REGISTRY
     try:
-        registry.register(collector)
+        collector.register_in(registry)
     except BaseException:
         collector.close()
         raise
-    collector._remember(registry)
     if watch_loop and loop is not None:
         collector.watch_loop(loop, interval_s=loop_lag_interval_s)
     return collector
