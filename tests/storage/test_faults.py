@@ -494,6 +494,13 @@ async def test_damage_at_rest_rejects_bad_arguments() -> None:
         await fb.corrupt_stored(keys[0], offset=size)
     with pytest.raises(InvalidInputError):
         await fb.truncate_stored(keys[0], size)
+    for bad in (True, 1.0, "1"):
+        with pytest.raises(InvalidInputError):
+            await fb.corrupt_stored(keys[0], count=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInputError):
+            await fb.corrupt_stored(keys[0], offset=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInputError):
+            await fb.truncate_stored(keys[0], bad)  # type: ignore[arg-type]
     assert len(inner.data[keys[0]]) == size
 
 

@@ -749,8 +749,9 @@ class FaultyBackend(StorageBackend):
             InvalidInputError: ``count`` < 1 or ``offset`` out of range.
         """
         raw_io = self._raw_io()
-        if count < 1:
-            raise InvalidInputError(f"count must be >= 1, got {count}")
+        count = check_int(count, "count", minimum=1)
+        if offset is not None:
+            offset = check_int(offset, "offset")
         raw = await raw_io.read_raw(key)
         if raw is None:
             return False
@@ -781,6 +782,8 @@ class FaultyBackend(StorageBackend):
             InvalidInputError: ``length`` negative or not below the stored size.
         """
         raw_io = self._raw_io()
+        if length is not None:
+            length = check_int(length, "length")
         raw = await raw_io.read_raw(key)
         if raw is None:
             return False
