@@ -280,14 +280,21 @@ def parse_bool(value: object, what: str, *, error: type[Exception] = ConfigError
     raise error(f"{what} must be a bool (1/0, true/false, yes/no, on/off), got {value!r}")
 
 
-def check_choice(value: object, allowed: Sequence[str], what: str) -> str:
+def check_choice(
+    value: object,
+    allowed: Sequence[str],
+    what: str,
+    *,
+    error: type[Exception] = InvalidInputError,
+) -> str:
     """One of the names in ``allowed``.
 
     Raises:
-        InvalidInputError: anything else (an unknown name is never taken for a default).
+        InvalidInputError: (or ``error``) anything else (an unknown name is
+            never taken for a default).
     """
     if not isinstance(value, str) or value not in allowed:
-        raise InvalidInputError(f"{what} must be one of {tuple(allowed)}, got {value!r}")
+        raise error(f"{what} must be one of {tuple(allowed)}, got {value!r}")
     return value
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tiercache._checks import check_bool, check_int, check_number, parse_bool
+from tiercache._checks import check_bool, check_choice, check_int, check_number, parse_bool
 from tiercache.controller import WRITE_POLICIES
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.memory.layout import SUPPORTED_DTYPES, KVLayout, dtype_name
@@ -201,8 +201,7 @@ class TierCacheConfig:
     def _check_names(self) -> None:
         """The string fields: policies from their tuples, non-empty names."""
         for name, allowed in _CHOICE_FIELDS.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+            check_choice(getattr(self, name), allowed, name, error=ConfigError)
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"model must be a non-empty str, got {self.model!r}")
         if self.storage_url is not None and (

@@ -80,7 +80,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from tiercache._aio import bounded
-from tiercache._checks import check_number, check_positive
+from tiercache._checks import check_choice, check_number, check_positive
 from tiercache.errors import (
     ClosedError,
     ConfigError,
@@ -226,12 +226,9 @@ def _timing_options(extra: Mapping[str, Any]) -> dict[str, Any]:
             extra["fault_threshold"], _option("fault_threshold"), error=ConfigError
         )
     if "fault_policy" in extra:
-        if extra["fault_policy"] not in FAULT_POLICIES:
-            raise ConfigError(
-                f"extra_config['fault_policy'] must be one of {FAULT_POLICIES}, "
-                f"got {extra['fault_policy']!r}"
-            )
-        kw["fault_policy"] = extra["fault_policy"]
+        kw["fault_policy"] = check_choice(
+            extra["fault_policy"], FAULT_POLICIES, _option("fault_policy"), error=ConfigError
+        )
     return kw
 
 
