@@ -76,6 +76,8 @@ def token_array(tokens: object, what: str = "tokens") -> array[int] | npt.NDArra
         InvalidInputError: not one of those types, a non-integer element or
             dtype, not 1-D, or an id outside ``[0, 2**32)``.
     """
+    if isinstance(tokens, list | tuple):  # the common case first: prompts are lists
+        return _sequence_ids(tokens, what)
     if isinstance(tokens, torch.Tensor):
         return _checked_ids(_tensor_numpy(tokens, what), what)
     if isinstance(tokens, np.ndarray):
