@@ -98,3 +98,93 @@ def test_check_int_and_check_bool_refuse_lookalikes() -> None:
     for bad in (1, 0, "true", None):
         with pytest.raises(InvalidInputError, match="b must be a bool"):
             check_bool(bad, "b")
+
+
+def test_check_positive_takes_ints_of_at_least_one() -> None:
+    from tiercache._checks import check_positive
+    from tiercache.errors import ConfigError
+
+    assert check_positive(1, "n") == 1 and type(check_positive(np.int64(7), "n")) is int
+    for bad in (0, -3, True, 2.0, "2", None):
+        with pytest.raises(InvalidInputError, match="n must be a positive int"):
+            check_positive(bad, "n")
+    with pytest.raises(ConfigError, match="size must be a positive int"):
+        check_positive(0, "size", error=ConfigError)
+
+
+def test_check_number_takes_finite_reals_only() -> None:
+    from tiercache._checks import check_number
+    from tiercache.errors import ConfigError
+
+    assert check_number(0, "t") == 0.0 and check_number(np.float32(0.5), "t") == 0.5
+    assert check_number(2, "t", positive=True) == 2.0
+    for bad in (-1, float("nan"), float("inf"), -float("inf"), True, "1", None):
+        with pytest.raises(InvalidInputError, match="t must be a finite non-negative number"):
+            check_number(bad, "t")
+    with pytest.raises(ConfigError, match="t must be a finite positive number"):
+        check_number(0.0, "t", positive=True, error=ConfigError)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (True, True),
+        (False, False),
+        (np.bool_(True), True),
+        (1, True),
+        (0, False),
+        ("1", True),
+        ("0", False),
+        ("true", True),
+        (" TRUE ", True),
+        ("False", False),
+        ("yes", True),
+        ("no", False),
+        ("on", True),
+        ("Off", False),
+    ],
+)
+def test_parse_bool_reads_one_set_of_words(value: object, expected: bool) -> None:
+    from tiercache._checks import parse_bool
+
+    assert parse_bool(value, "flag") is expected
+
+
+@pytest.mark.parametrize("value", ["maybe", "", "2", "y", "t", 2, -1, 1.0, None, [True]])
+def test_parse_bool_refuses_the_rest_naming_the_option(value: object) -> None:
+    from tiercache._checks import parse_bool
+    from tiercache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="TIERCACHE_MLA must be a bool"):
+        parse_bool(value, "TIERCACHE_MLA")
+
+
+def test_every_on_off_option_reads_the_same_words() -> None:
+    """A URL option, a keyword option and a TIERCACHE_ variable agree on each word."""
+    from tiercache._checks import FALSE_WORDS, TRUE_WORDS
+    from tiercache.config import TierCacheConfig
+    from tiercache.errors import ConfigError
+    from tiercache.storage.registry import option_bool
+
+    for word in sorted(TRUE_WORDS | FALSE_WORDS):
+        for spelled in (word, word.upper(), f" {word} "):
+            expected = word in TRUE_WORDS
+            assert option_bool("fsync", spelled) is expected
+            env = {"TIERCACHE_MLA": spelled, "TIERCACHE_NUM_KV_HEADS": "1"}
+            assert TierCacheConfig.from_env(env).mla is expected
+    with pytest.raises(ConfigError, match="option fsync"):
+        option_bool("fsync", "maybe")
+    with pytest.raises(ConfigError, match="TIERCACHE_MLA"):
+        TierCacheConfig.from_env({"TIERCACHE_MLA": "maybe"})
+
+
+def test_token_array_packs_without_a_python_list() -> None:
+    from array import array
+
+    from tiercache._checks import token_array
+
+    assert isinstance(token_array([1, 2]), array)
+    arr = np.array([3, 4], dtype=np.uint32)
+    assert token_array(arr) is arr  # checked in place, not copied
+    assert token_array(torch.tensor([5, 6])).tolist() == [5, 6]
+    assert token_array(range(3)).tolist() == [0, 1, 2]

@@ -172,3 +172,14 @@ async def test_a_pool_that_cannot_be_allocated_is_a_capacity_error() -> None:
     with pytest.raises(CapacityError):
         await cache.open()
     await cache.aclose()
+
+
+def test_int_fields_take_numpy_integers_and_store_plain_ints() -> None:
+    import numpy as np
+
+    c = TierCacheConfig(page_size=np.int64(16), device_tokens=np.int32(64))  # type: ignore[arg-type]
+    assert (c.page_size, c.device_tokens) == (16, 64)
+    assert type(c.page_size) is int and type(c.device_tokens) is int
+    for name, bad in (("page_size", 16.0), ("tp_rank", -1), ("prefetch_threshold", False)):
+        with pytest.raises(ConfigError, match=name):
+            TierCacheConfig(**{name: bad})  # type: ignore[arg-type]

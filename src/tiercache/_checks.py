@@ -9,29 +9,44 @@ same prompt; an id outside ``[0, 2**32)`` (what a storage key can encode) is an
 ``bool`` or ``float``; names of policies come from a fixed tuple; slot
 arguments are 1-D ``int64`` tensors, never lists.
 
+Configuration reads the same way: sizes are positive ints (`check_positive`),
+durations finite numbers (`check_number`), and every on/off option, from a
+URL query, a keyword, a ``TIERCACHE_*`` variable or an engine's config, is
+read by `parse_bool` with one set of words. Each check takes the exception
+class its caller raises (``error=ConfigError`` for configuration).
+
 The checks only read their arguments: a refused call has changed nothing.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from array import array
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from tiercache.errors import InvalidInputError
+from tiercache.errors import ConfigError, InvalidInputError
 
 __all__ = [
+    "FALSE_WORDS",
     "TOKEN_LIMIT",
+    "TRUE_WORDS",
     "check_bool",
     "check_choice",
     "check_count",
     "check_int",
+    "check_number",
+    "check_positive",
     "check_slot_tensor",
     "is_int",
+    "parse_bool",
+    "token_array",
     "token_list",
 ]
 
@@ -41,12 +56,47 @@ TOKEN_LIMIT = 1 << 32
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
+def token_array(tokens: object, what: str = "tokens") -> array[int] | npt.NDArray[np.integer[Any]]:
+    """``tokens`` checked, as an ``array('I')`` or a 1-D integer numpy array.
+
+    The form `tiercache.index.hash_page` packs into bytes without a Python
+    loop; `token_list` turns it into Python ints.
+
+    Args:
+        tokens: a list or tuple (any sequence but ``str`` and ``bytes``) of
+            ints, or a 1-D integer numpy array or torch tensor (any device; a
+            CUDA tensor is copied to the host).
+        what: the argument's name, for the message.
+
+    Returns:
+        An ``array('I')`` for a sequence (a new one), else a 1-D numpy array
+        of an integer dtype (possibly a view of ``tokens``: read it, never write it).
+
+    Raises:
+        InvalidInputError: not one of those types, a non-integer element or
+            dtype, not 1-D, or an id outside ``[0, 2**32)``.
+    """
+    if isinstance(tokens, list | tuple):  # the common case first: prompts are lists
+        return _sequence_ids(tokens, what)
+    if isinstance(tokens, torch.Tensor):
+        return _checked_ids(_tensor_numpy(tokens, what), what)
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu":
+            raise InvalidInputError(f"{what} must have an integer dtype, got {tokens.dtype}")
+        return _checked_ids(tokens, what)
+    if isinstance(tokens, str | bytes | bytearray) or not isinstance(tokens, Sequence):
+        raise InvalidInputError(
+            f"{what} must be a list or tuple of ints, or a 1-D integer tensor or array, "
+            f"got {type(tokens).__name__}"
+        )
+    return _sequence_ids(tokens, what)
+
+
 def token_list(tokens: object, what: str = "tokens") -> list[int]:
     """``tokens`` as a list of Python ints, after checking every id.
 
     Args:
-        tokens: a list or tuple of ints, or a 1-D integer numpy array or
-            torch tensor (any device).
+        tokens: as for `token_array`.
         what: the argument's name, for the message.
 
     Returns:
@@ -54,52 +104,50 @@ def token_list(tokens: object, what: str = "tokens") -> list[int]:
         not reach it).
 
     Raises:
-        InvalidInputError: not one of those types, a non-integer element or
-            dtype, not 1-D, or an id outside ``[0, 2**32)``.
+        InvalidInputError: as `token_array`.
     """
-    if isinstance(tokens, torch.Tensor):
-        dt = tokens.dtype
-        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
-            raise InvalidInputError(f"{what} must be an integer tensor, got dtype {dt}")
-        if tokens.dim() != 1:
-            raise InvalidInputError(f"{what} must be 1-D, got shape {tuple(tokens.shape)}")
-        t = tokens.detach()
-        t = t.cpu() if t.device.type != "cpu" else t
-        if dt not in _INT_DTYPES:  # unsigned 16/32/64-bit: as `hash_page` reads them
-            t = t.long()
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= TOKEN_LIMIT):
-            raise InvalidInputError(
-                f"{what} must lie in [0, 2**32): min {int(t.min())}, max {int(t.max())}"
-            )
-        out: list[int] = t.tolist()
-        return out
-    if isinstance(tokens, np.ndarray):
-        if tokens.dtype.kind not in "iu":
-            raise InvalidInputError(f"{what} must have an integer dtype, got {tokens.dtype}")
-        if tokens.ndim != 1:
-            raise InvalidInputError(f"{what} must be 1-D, got shape {tokens.shape}")
-        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= TOKEN_LIMIT):
-            raise InvalidInputError(
-                f"{what} must lie in [0, 2**32): min {int(tokens.min())}, max {int(tokens.max())}"
-            )
-        return [int(t) for t in tokens.tolist()]
-    if isinstance(tokens, str | bytes | bytearray) or not isinstance(tokens, Sequence):
+    out: list[int] = token_array(tokens, what).tolist()
+    return out
+
+
+def _tensor_numpy(tokens: torch.Tensor, what: str) -> npt.NDArray[np.integer[Any]]:
+    """An integer tensor's values as a numpy array on the host (its dtype checked here)."""
+    dt = tokens.dtype
+    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+        raise InvalidInputError(f"{what} must be an integer tensor, got dtype {dt}")
+    t = tokens.detach()
+    t = t.cpu() if t.device.type != "cpu" else t
+    if dt not in _INT_DTYPES:  # unsigned 16/32/64-bit: numpy cannot view them
+        t = t.long()
+    out: npt.NDArray[np.integer[Any]] = t.numpy()
+    return out
+
+
+def _checked_ids(arr: npt.NDArray[np.integer[Any]], what: str) -> npt.NDArray[np.integer[Any]]:
+    """``arr`` once it is 1-D with every id in ``[0, TOKEN_LIMIT)``."""
+    if arr.ndim != 1:
+        raise InvalidInputError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= TOKEN_LIMIT):
         raise InvalidInputError(
-            f"{what} must be a list or tuple of ints, or a 1-D integer tensor or array, "
-            f"got {type(tokens).__name__}"
+            f"{what} must lie in [0, 2**32): min {int(arr.min())}, max {int(arr.max())}"
         )
-    # array('I') checks type and range of every element in C, and tolist()
-    # hands back plain ints (numpy integers normalised; a bool is the int it
-    # equals, as everywhere in Python and in `hash_page`).
+    return arr
+
+
+def _sequence_ids(tokens: Sequence[Any], what: str) -> array[int]:
+    """A sequence of ids as ``array('I')``.
+
+    ``array('I')`` checks the type and range of every element in C (numpy
+    integers are taken; a bool is the int it equals, as everywhere in Python).
+    """
     try:
-        packed = array("I", tokens)
+        return array("I", tokens)
     except OverflowError as e:
         bad = next((t for t in tokens if not 0 <= operator.index(t) < TOKEN_LIMIT), None)
         raise InvalidInputError(f"{what} must lie in [0, 2**32), got {bad!r}") from e
     except TypeError as e:
         bad = next((t for t in tokens if not is_int(t)), None)
         raise InvalidInputError(f"{what} must be ints, got {type(bad).__name__} {bad!r}") from e
-    return packed.tolist()
 
 
 def is_int(value: object) -> bool:
@@ -166,14 +214,89 @@ def check_bool(value: object, what: str, *, error: type[Exception] = InvalidInpu
     return bool(value)
 
 
-def check_choice(value: object, allowed: Sequence[str], what: str) -> str:
+def check_positive(value: object, what: str, *, error: type[Exception] = InvalidInputError) -> int:
+    """An ``int`` of at least 1 (numpy integers accepted, ``bool`` and ``float`` not).
+
+    Args:
+        value: the argument.
+        what: its name, for the message.
+        error: the exception to raise (``ConfigError`` for configuration fields).
+
+    Raises:
+        InvalidInputError: (or ``error``) anything else; the message reads
+            "``what`` must be a positive int".
+    """
+    if not is_int(value) or operator.index(value) < 1:  # type: ignore[arg-type]
+        raise error(f"{what} must be a positive int, got {value!r}")
+    return operator.index(value)  # type: ignore[arg-type]
+
+
+def check_number(
+    value: object, what: str, *, positive: bool = False, error: type[Exception] = InvalidInputError
+) -> float:
+    """A finite real number at least 0 (above 0 with ``positive``), as a float.
+
+    Ints, floats and numpy reals are accepted; ``bool``, strings, NaN and the
+    infinities are not.
+
+    Raises:
+        InvalidInputError: (or ``error``) anything else.
+    """
+    ok = not isinstance(value, bool | np.bool_) and isinstance(value, numbers.Real)
+    number = float(value) if ok else math.nan  # type: ignore[arg-type]
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        kind = "positive" if positive else "non-negative"
+        raise error(f"{what} must be a finite {kind} number, got {value!r}")
+    return number
+
+
+#: The spellings `parse_bool` reads as true and as false (compared lower-cased, stripped).
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
+
+def parse_bool(value: object, what: str, *, error: type[Exception] = ConfigError) -> bool:
+    """An on/off option, from a bool, ``0``/``1``, or a word of `TRUE_WORDS` / `FALSE_WORDS`.
+
+    The one reader of such options, for URL query parameters, keyword
+    options, ``TIERCACHE_*`` variables and engine configs alike. Words are
+    compared after ``strip().lower()``.
+
+    Args:
+        value: the option's value.
+        what: the option's name as its user writes it, for the message.
+        error: the exception to raise.
+
+    Raises:
+        ConfigError: (or ``error``) anything else, e.g. ``"maybe"``, ``2``
+            or ``None``; the message names ``what``.
+    """
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if is_int(value) and operator.index(value) in (0, 1):  # type: ignore[arg-type]
+        return bool(operator.index(value))  # type: ignore[arg-type]
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in TRUE_WORDS or word in FALSE_WORDS:
+            return word in TRUE_WORDS
+    raise error(f"{what} must be a bool (1/0, true/false, yes/no, on/off), got {value!r}")
+
+
+def check_choice(
+    value: object,
+    allowed: Sequence[str],
+    what: str,
+    *,
+    error: type[Exception] = InvalidInputError,
+) -> str:
     """One of the names in ``allowed``.
 
     Raises:
-        InvalidInputError: anything else (an unknown name is never taken for a default).
+        InvalidInputError: (or ``error``) anything else (an unknown name is
+            never taken for a default).
     """
     if not isinstance(value, str) or value not in allowed:
-        raise InvalidInputError(f"{what} must be one of {tuple(allowed)}, got {value!r}")
+        raise error(f"{what} must be one of {tuple(allowed)}, got {value!r}")
     return value
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -13,11 +12,11 @@ from typing import Any
 
 import torch
 
+from tiercache._checks import check_bool, check_choice, check_int, check_number, parse_bool
 from tiercache.controller import WRITE_POLICIES
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.memory.layout import SUPPORTED_DTYPES, KVLayout, dtype_name
 from tiercache.memory.pools import HOST_LAYOUTS
-from tiercache.storage.registry import option_bool
 from tiercache.storage_tier import FAULT_POLICIES, StorageTierConfig
 
 __all__ = ["PREFETCH_POLICIES", "WRITE_POLICIES", "TierCacheConfig"]
@@ -25,6 +24,49 @@ __all__ = ["PREFETCH_POLICIES", "WRITE_POLICIES", "TierCacheConfig"]
 PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
 _DTYPES = {dtype_name(d): d for d in SUPPORTED_DTYPES}
 _ENV_PREFIX = "TIERCACHE_"
+
+#: Int fields and the least value each may take.
+_INT_FIELDS: dict[str, int] = {
+    "num_layers": 1,
+    "num_kv_heads": 1,
+    "head_dim": 1,
+    "page_size": 1,
+    "tp_rank": 0,
+    "tp_size": 1,
+    "device_tokens": 1,
+    "host_tokens": 1,
+    "host_size_bytes": 1,
+    "write_through_threshold": 1,
+    "prefetch_threshold": 0,
+    "prefetch_capacity_tokens": 1,
+    "storage_io_concurrency": 1,
+    "storage_io_batch_pages": 1,
+    "storage_query_batch_pages": 1,
+    "storage_backup_batch_pages": 1,
+    "storage_fault_threshold": 1,
+}
+#: Int fields where ``None`` means "not set".
+_OPTIONAL_FIELDS = frozenset({"host_tokens", "host_size_bytes", "prefetch_capacity_tokens"})
+#: Ratios and durations: finite numbers, at least 0.
+_NUMBER_FIELDS = (
+    "host_ratio",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "prefetch_timeout_max",
+    "storage_timeout_s",
+    "storage_reconnect_backoff_s",
+    "storage_reconnect_backoff_max_s",
+    "alloc_timeout_s",
+)
+#: Of those, the ones that must be above 0.
+_POSITIVE_FIELDS = frozenset({"storage_timeout_s", "storage_reconnect_backoff_s"})
+#: Fields that name one of a fixed set of policies.
+_CHOICE_FIELDS: dict[str, tuple[str, ...]] = {
+    "write_policy": WRITE_POLICIES,
+    "prefetch_policy": PREFETCH_POLICIES,
+    "host_layout": HOST_LAYOUTS,
+    "storage_fault_policy": FAULT_POLICIES,
+}
 
 
 def _parse_dtype(value: object) -> torch.dtype:
@@ -135,70 +177,33 @@ class TierCacheConfig:
                 f"storage_options must be a mapping, got {type(self.storage_options).__name__}"
             )
         object.__setattr__(self, "storage_options", dict(self.storage_options))
-        for name in (
-            "num_layers",
-            "num_kv_heads",
-            "head_dim",
-            "page_size",
-            "tp_size",
-            "device_tokens",
-            "storage_io_concurrency",
-            "storage_io_batch_pages",
-            "storage_query_batch_pages",
-            "storage_backup_batch_pages",
-            "write_through_threshold",
-            "storage_fault_threshold",
-        ):
-            self._int(name, minimum=1)
-        self._int("tp_rank", minimum=0)
-        self._int("prefetch_threshold", minimum=0)
-        for name in ("host_tokens", "host_size_bytes", "prefetch_capacity_tokens"):
-            if getattr(self, name) is not None:
-                self._int(name, minimum=1)
-        for name in (
-            "host_ratio",
-            "prefetch_timeout_base",
-            "prefetch_timeout_per_ki_token",
-            "prefetch_timeout_max",
-            "storage_timeout_s",
-            "storage_reconnect_backoff_s",
-            "storage_reconnect_backoff_max_s",
-            "alloc_timeout_s",
-        ):
-            v = getattr(self, name)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, int | float)
-                or not math.isfinite(v)
-                or v < 0
-            ):
-                raise ConfigError(f"{name} must be a finite non-negative number, got {v!r}")
-        if self.storage_timeout_s <= 0 or self.storage_reconnect_backoff_s <= 0:
-            raise ConfigError("storage_timeout_s and storage_reconnect_backoff_s must be positive")
-        if not isinstance(self.mla, bool):
-            raise ConfigError(f"mla must be a bool, got {self.mla!r}")
-        if self.tp_rank >= self.tp_size:
-            raise ConfigError(f"tp_rank={self.tp_rank} must be below tp_size={self.tp_size}")
+        self._check_numbers()
+        self._check_names()
+        self._check_sizes()
+        try:
+            self.layout()
+        except TierCacheError as e:
+            raise ConfigError(str(e)) from e
+
+    def _check_numbers(self) -> None:
+        """Each field of `_INT_FIELDS` and `_NUMBER_FIELDS` by its rule (ints stored as ``int``)."""
+        for name, minimum in _INT_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None or name not in _OPTIONAL_FIELDS:
+                checked = check_int(value, name, minimum=minimum, error=ConfigError)
+                object.__setattr__(self, name, checked)
+        for name in _NUMBER_FIELDS:
+            check_number(
+                getattr(self, name), name, positive=name in _POSITIVE_FIELDS, error=ConfigError
+            )
+        check_bool(self.mla, "mla", error=ConfigError)
+
+    def _check_names(self) -> None:
+        """The string fields: policies from their tuples, non-empty names."""
+        for name, allowed in _CHOICE_FIELDS.items():
+            check_choice(getattr(self, name), allowed, name, error=ConfigError)
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"model must be a non-empty str, got {self.model!r}")
-        for name, allowed in (
-            ("write_policy", WRITE_POLICIES),
-            ("prefetch_policy", PREFETCH_POLICIES),
-            ("host_layout", HOST_LAYOUTS),
-            ("storage_fault_policy", FAULT_POLICIES),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.device_tokens % self.page_size:
-            raise ConfigError(
-                f"device_tokens={self.device_tokens} is not a multiple of page_size={self.page_size}"
-            )
-        if self.host_tokens is not None and self.host_tokens % self.page_size:
-            raise ConfigError(
-                f"host_tokens={self.host_tokens} is not a multiple of page_size={self.page_size}"
-            )
-        if self.host_tokens is not None and self.host_size_bytes is not None:
-            raise ConfigError("give host_tokens or host_size_bytes, not both")
         if self.storage_url is not None and (
             not isinstance(self.storage_url, str) or not self.storage_url
         ):
@@ -209,15 +214,19 @@ class TierCacheConfig:
             raise ConfigError(
                 f"device must be a str such as 'cpu' or 'cuda:0', got {self.device!r}"
             )
-        try:
-            self.layout()
-        except TierCacheError as e:
-            raise ConfigError(str(e)) from e
 
-    def _int(self, name: str, minimum: int) -> None:
-        v = getattr(self, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise ConfigError(f"{name} must be an int >= {minimum}, got {v!r}")
+    def _check_sizes(self) -> None:
+        """How the int fields fit together: the shard, whole pages, one way to size the host."""
+        if self.tp_rank >= self.tp_size:
+            raise ConfigError(f"tp_rank={self.tp_rank} must be below tp_size={self.tp_size}")
+        for name in ("device_tokens", "host_tokens"):
+            tokens = getattr(self, name)
+            if tokens is not None and tokens % self.page_size:
+                raise ConfigError(
+                    f"{name}={tokens} is not a multiple of page_size={self.page_size}"
+                )
+        if self.host_tokens is not None and self.host_size_bytes is not None:
+            raise ConfigError("give host_tokens or host_size_bytes, not both")
 
     # -- derived --------------------------------------------------------------
 
@@ -340,7 +349,7 @@ def _parse_env(name: str, type_name: str, raw: str) -> Any:
         if "None" in type_name and text.lower() in ("", "none"):
             return None
         if type_name.startswith("bool"):
-            return option_bool(name, text)
+            return parse_bool(text, f"{_ENV_PREFIX}{name.upper()}")
         if type_name.startswith("int"):
             return int(text)
         if type_name.startswith("float"):

@@ -45,9 +45,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tiercache._checks import check_number, check_positive
 from tiercache.cache import TierCache
 from tiercache.config import TierCacheConfig
-from tiercache.errors import ConfigError, InvalidInputError
+from tiercache.errors import ConfigError
 from tiercache.memory.pools import DeviceKVPool
 from tiercache.models.tiny import TinyCausalLM, TinyConfig
 
@@ -111,11 +112,8 @@ class DemoSettings:
             "doc_questions",
             "max_running",
         ):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InvalidInputError(f"{name} must be a positive int, got {v!r}")
-        if not self.mean_gap_s >= 0:
-            raise InvalidInputError(f"mean_gap_s must be >= 0, got {self.mean_gap_s!r}")
+            object.__setattr__(self, name, check_positive(getattr(self, name), name))
+        check_number(self.mean_gap_s, "mean_gap_s")
 
 
 def settings_for(quick: bool, clients: int | None = None, seed: int = 0) -> DemoSettings:

@@ -72,3 +72,29 @@ def test_constructor_validation() -> None:
     with pytest.raises(InvalidInputError):
         PageAllocator(64, 0)
     assert PageAllocator(0, 16).alloc(16) is None
+
+
+def test_sizes_are_ints_numpy_integers_included_bools_and_floats_refused() -> None:
+    import numpy as np
+
+    from tiercache import HostKVPool, KVLayout
+
+    a = PageAllocator(np.int64(64), np.int32(16))  # type: ignore[arg-type]
+    assert (type(a.num_slots), type(a.page_size)) == (int, int)
+    x = a.alloc(np.int64(32))  # type: ignore[arg-type]
+    assert x is not None and x.numel() == 32
+    for bad in ((64, True), (64.0, 16), (64, 0), (-16, 16)):
+        with pytest.raises(InvalidInputError):
+            PageAllocator(*bad)  # type: ignore[arg-type]
+    for n in (True, 16.0, -16, "16"):
+        with pytest.raises(InvalidInputError):
+            a.alloc(n)  # type: ignore[arg-type]
+    layout = KVLayout(np.int64(1), 1, 8, torch.float32, 4)  # type: ignore[arg-type]
+    assert type(layout.num_layers) is int
+    with pytest.raises(InvalidInputError, match="mla must be a bool"):
+        KVLayout(1, 1, 8, torch.float32, 4, mla=1)  # type: ignore[arg-type]
+    pool = HostKVPool(layout, size_bytes=np.int64(layout.page_bytes * 2), pin_memory=False)  # type: ignore[arg-type]
+    assert pool.num_slots == 8
+    for bad_size in (True, 0, 1.5):
+        with pytest.raises(InvalidInputError, match="size_bytes must be a positive int"):
+            HostKVPool(layout, size_bytes=bad_size, pin_memory=False)  # type: ignore[arg-type]

@@ -25,23 +25,23 @@ when it would otherwise stall the event loop.
 from __future__ import annotations
 
 import hashlib
-import re
 import sys
 from array import array
 
 import numpy as np
 
+from tiercache._checks import check_positive, token_array
 from tiercache.errors import InvalidInputError
 
 __all__ = ["hash_page", "pack_tokens", "page_hashes"]
 
-_HASH_RE = re.compile(r"[0-9a-f]{1,128}")
-_TOKEN_LIMIT = 1 << 32
 _LITTLE = sys.byteorder == "little"
 
 
 def pack_tokens(token_ids: object) -> bytes:
     """Token ids as little-endian ``uint32`` bytes, 4 per token.
+
+    Takes what `tiercache._checks.token_array` takes, and refuses the same.
 
     Args:
         token_ids: a list or tuple of ints, or a 1-D integer numpy array or
@@ -51,50 +51,12 @@ def pack_tokens(token_ids: object) -> bytes:
         InvalidInputError: not a sequence of integers, not 1-D, or a token
             outside ``[0, 2**32)``.
     """
-    if isinstance(token_ids, (list, tuple)):
-        try:
-            packed = array("I", token_ids)
-        except OverflowError as e:
-            raise InvalidInputError(f"token ids must lie in [0, 2**32): {e}") from e
-        except TypeError as e:
-            raise InvalidInputError(f"token ids must be integers: {e}") from e
+    ids = token_array(token_ids, "token ids")
+    if isinstance(ids, array):
         if not _LITTLE:  # pragma: no cover - big-endian hosts
-            packed.byteswap()
-        return packed.tobytes()
-    arr: np.ndarray
-    if isinstance(token_ids, np.ndarray):
-        arr = token_ids
-    elif type(token_ids).__module__.startswith("torch") and hasattr(token_ids, "detach"):
-        import torch
-
-        assert isinstance(token_ids, torch.Tensor)
-        if (
-            token_ids.dtype.is_floating_point
-            or token_ids.dtype.is_complex
-            or token_ids.dtype == torch.bool
-        ):
-            raise InvalidInputError(
-                f"token ids must be an integer tensor, got dtype {token_ids.dtype}"
-            )
-        t = token_ids.detach().cpu()
-        arr = (
-            t
-            if t.dtype in (torch.int32, torch.int64, torch.uint8, torch.int16, torch.int8)
-            else t.long()
-        ).numpy()
-    else:
-        raise InvalidInputError(
-            f"token ids must be a list, tuple, numpy array or torch tensor, got {type(token_ids).__name__}"
-        )
-    if arr.ndim != 1:
-        raise InvalidInputError(f"token ids must be 1-D, got shape {arr.shape}")
-    if arr.dtype.kind not in "iu":
-        raise InvalidInputError(f"token ids must have an integer dtype, got {arr.dtype}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= _TOKEN_LIMIT):
-        raise InvalidInputError(
-            f"token ids must lie in [0, 2**32): min {int(arr.min())}, max {int(arr.max())}"
-        )
-    return np.ascontiguousarray(arr, dtype="<u4").tobytes()
+            ids.byteswap()
+        return ids.tobytes()
+    return np.ascontiguousarray(ids, dtype="<u4").tobytes()
 
 
 def _prior_bytes(prior_hash: str | None) -> bytes:
@@ -141,8 +103,7 @@ def page_hashes(token_ids: object, page_size: int, prior_hash: str | None = None
         InvalidInputError: ``page_size`` not a positive int, bad token ids or
             a non-hex prior.
     """
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise InvalidInputError(f"page_size must be a positive int, got {page_size!r}")
+    page_size = check_positive(page_size, "page_size")
     packed = pack_tokens(token_ids)
     prior = _prior_bytes(prior_hash)
     step = 4 * page_size

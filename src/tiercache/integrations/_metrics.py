@@ -16,11 +16,13 @@ the adapter's event loop, and undoes all of it on `AdapterMetrics.close`.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tiercache._checks import is_int
 from tiercache.errors import ConfigError
 from tiercache.integrations._loop import LoopThread
 
@@ -33,6 +35,15 @@ logger = logging.getLogger(__name__)
 
 #: How long `AdapterMetrics.close` waits for the HTTP server's thread.
 _SERVER_JOIN_S = 5.0
+
+
+def _port(port: object, option: Callable[[str], str]) -> int | None:
+    """``metrics_port`` as an int in 0..65535, or None when not given."""
+    if port is None:
+        return None
+    if not is_int(port) or not 0 <= operator.index(port) <= 65535:  # type: ignore[arg-type]
+        raise ConfigError(f"{option('metrics_port')} must be a port number, got {port!r}")
+    return operator.index(port)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +84,7 @@ class MetricsOptions:
             ConfigError: a bad value, or metrics asked for and
                 ``prometheus_client`` not installed; the message names the option.
         """
-        if port is not None and (
-            isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535
-        ):
-            raise ConfigError(f"{option('metrics_port')} must be a port number, got {port!r}")
+        port = _port(port, option)
         if addr is not None and (not isinstance(addr, str) or not addr):
             raise ConfigError(f"{option('metrics_addr')} must be a host address, got {addr!r}")
         if addr is not None and port is None:

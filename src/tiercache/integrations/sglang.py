@@ -79,6 +79,8 @@ from typing import Any, TypeVar
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from tiercache._aio import bounded
+from tiercache._checks import check_choice, check_number, check_positive
 from tiercache.errors import (
     ClosedError,
     ConfigError,
@@ -88,7 +90,6 @@ from tiercache.errors import (
 )
 from tiercache.integrations._loop import LoopThread
 from tiercache.integrations._metrics import AdapterMetrics, MetricsOptions
-from tiercache.integrations._options import positive
 from tiercache.memory.layout import KVLayout
 from tiercache.memory.pages import PageBuffer
 from tiercache.memory.pools import host_page_buffer
@@ -124,10 +125,6 @@ SUPPORTED_LAYOUTS = ("layer_first", "page_first")
 
 def _option(name: str) -> str:
     return f"extra_config[{name!r}]"
-
-
-def _positive(name: str, value: object, *, integer: bool = False) -> float:
-    return positive(_option(name), value, integer=integer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,55 +172,64 @@ class SGLangOptions:
                 "extra_config['url'] must name a tiercache storage backend, "
                 f"e.g. 'file:///var/cache/tiercache'; got {url!r}"
             )
-        backend_options = extra.get("backend_options", {})
-        if not isinstance(backend_options, Mapping) or not all(
-            isinstance(k, str) for k in backend_options
-        ):
+        if "interface_v1" in extra and extra["interface_v1"] not in (0, 1, True, False):
             raise ConfigError(
-                f"extra_config['backend_options'] must be a dict of options, got {backend_options!r}"
+                f"extra_config['interface_v1'] must be 0 or 1, got {extra['interface_v1']!r}"
             )
-        backend_options = dict(backend_options)
-        if "capacity_bytes" in extra:
-            backend_options["capacity_bytes"] = int(
-                _positive("capacity_bytes", extra["capacity_bytes"], integer=True)
-            )
-        kw: dict[str, Any] = {}
-        for name in (
-            "timeout_s",
-            "open_timeout_s",
-            "reconnect_backoff_s",
-            "reconnect_backoff_max_s",
-        ):
-            if name in extra:
-                kw[name] = _positive(name, extra[name])
-        if "fault_threshold" in extra:
-            kw["fault_threshold"] = int(
-                _positive("fault_threshold", extra["fault_threshold"], integer=True)
-            )
-        if "fault_policy" in extra:
-            if extra["fault_policy"] not in FAULT_POLICIES:
-                raise ConfigError(
-                    f"extra_config['fault_policy'] must be one of {FAULT_POLICIES}, "
-                    f"got {extra['fault_policy']!r}"
-                )
-            kw["fault_policy"] = extra["fault_policy"]
+        kw = _timing_options(extra)
         if "model_name" in extra:
             if not isinstance(extra["model_name"], str) or not extra["model_name"]:
                 raise ConfigError(
                     f"extra_config['model_name'] must be a non-empty str, got {extra['model_name']!r}"
                 )
             kw["model_name"] = extra["model_name"]
-        if "interface_v1" in extra and extra["interface_v1"] not in (0, 1, True, False):
-            raise ConfigError(
-                f"extra_config['interface_v1'] must be 0 or 1, got {extra['interface_v1']!r}"
-            )
         kw["metrics"] = MetricsOptions.parse(
             extra.get("metrics_port"),
             extra.get("metrics_addr"),
             extra.get("metrics_registry"),
             option=_option,
         )
-        return cls(url=url, backend_options=backend_options, **kw)
+        return cls(url=url, backend_options=_backend_options(extra), **kw)
+
+
+def _backend_options(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``backend_options``, with ``capacity_bytes`` folded in.
+
+    Raises:
+        ConfigError: not a dict of str keys, or a bad ``capacity_bytes``.
+    """
+    options = extra.get("backend_options", {})
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ConfigError(
+            f"extra_config['backend_options'] must be a dict of options, got {options!r}"
+        )
+    options = dict(options)
+    if "capacity_bytes" in extra:
+        options["capacity_bytes"] = check_positive(
+            extra["capacity_bytes"], _option("capacity_bytes"), error=ConfigError
+        )
+    return options
+
+
+def _timing_options(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The deadlines and the fault policy given in ``extra`` (those absent keep their defaults).
+
+    Raises:
+        ConfigError: a bad value; the message names its key.
+    """
+    kw: dict[str, Any] = {}
+    for name in ("timeout_s", "open_timeout_s", "reconnect_backoff_s", "reconnect_backoff_max_s"):
+        if name in extra:
+            kw[name] = check_number(extra[name], _option(name), positive=True, error=ConfigError)
+    if "fault_threshold" in extra:
+        kw["fault_threshold"] = check_positive(
+            extra["fault_threshold"], _option("fault_threshold"), error=ConfigError
+        )
+    if "fault_policy" in extra:
+        kw["fault_policy"] = check_choice(
+            extra["fault_policy"], FAULT_POLICIES, _option("fault_policy"), error=ConfigError
+        )
+    return kw
 
 
 @dataclass(slots=True)
@@ -470,24 +476,15 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if self._down:
             coro.close()
             raise _Skipped
-        task = asyncio.ensure_future(coro)
         try:
-            async with asyncio.timeout(self.options.timeout_s):
-                result = await asyncio.shield(task)
+            # bounded: a timed-out call has settled before this raises, for it
+            # may be copying into SGLang's host pages.
+            result = await bounded(coro, self.options.timeout_s)
         except TimeoutError:
-            task.cancel()
-            # Let the call settle first: it may be copying into host pages.
-            with contextlib.suppress(BaseException):
-                await task
             self._failed()
             raise StorageTimeoutError(
                 f"{what} timed out after {self.options.timeout_s} s"
             ) from None
-        except asyncio.CancelledError:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(task)
-            raise
         except Exception:
             self._failed()
             raise

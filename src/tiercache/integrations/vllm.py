@@ -95,6 +95,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from tiercache._aio import bounded
+from tiercache._checks import check_number, check_positive, parse_bool
 from tiercache.errors import (
     BackendUnavailableError,
     ConfigError,
@@ -104,7 +106,6 @@ from tiercache.errors import (
 )
 from tiercache.integrations._loop import LoopThread
 from tiercache.integrations._metrics import AdapterMetrics, MetricsOptions
-from tiercache.integrations._options import positive
 from tiercache.memory.pages import PageBuffer
 from tiercache.storage.base import PageKey, StorageBackend
 from tiercache.storage.registry import open_backend, redact_url
@@ -264,57 +265,24 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         metrics_registry: Any = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        if not isinstance(url, str) or not url:
-            raise ConfigError(f"the tiercache tier needs a backend url, got {url!r}")
-        for name, value in (
-            ("timeout_s", timeout_s),
-            ("open_timeout_s", open_timeout_s),
-            ("reopen_interval_s", reopen_interval_s),
-        ):
-            positive(name, value)
-        positive("max_probe_batch", max_probe_batch, integer=True)
-        if backend_options is not None and not isinstance(backend_options, dict):
-            raise ConfigError(f"backend_options must be a dict, got {backend_options!r}")
-        if not isinstance(namespace, str):
-            raise ConfigError(f"namespace must be a str, got {namespace!r}")
-        try:
-            self.locality = Locality(locality) if locality is not None else None
-        except ValueError:
-            choices = [m.value for m in Locality]
-            raise ConfigError(f"locality must be one of {choices}, got {locality!r}") from None
+        self._set_options(
+            url,
+            backend_options,
+            namespace,
+            timeout_s=timeout_s,
+            open_timeout_s=open_timeout_s,
+            reopen_interval_s=reopen_interval_s,
+            max_probe_batch=max_probe_batch,
+            locality=locality,
+        )
+        kv_events = parse_bool(enable_kv_events, "enable_kv_events")
         metrics_options = MetricsOptions.parse(
             metrics_port, metrics_addr, metrics_registry, option=str
         )
-
-        view = primary_kv_view
-        if view.ndim < 1 or view.strides is None or not view.c_contiguous:
-            raise ConfigError("the primary region must be a C-contiguous memoryview")
-        self._block_bytes = int(view.strides[0])
-        self._num_blocks = int(view.shape[0]) if view.shape else 0
-        if self._block_bytes <= 0:
-            raise ConfigError("the primary region's rows are empty")
-        # One flat byte view over vLLM's region: block c is [c*bytes, (c+1)*bytes).
-        self._flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-        identity = vllm_identity(offloading_spec, self._block_bytes)
-        if namespace:
-            identity["namespace"] = namespace
-        self.identity: dict[str, Any] = identity
-        canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
-        #: 16 hex digits of sha256 over the identity: the prefix of every key.
-        self.namespace_digest = hashlib.sha256(canonical.encode()).hexdigest()[:16]
-        self._page_format = f"vllm/{self.namespace_digest}/{self._block_bytes}"
-
-        self._url = url
-        self._url_display = redact_url(url)
-        self._backend_options = dict(backend_options or {})
-        self._timeout_s = float(timeout_s)
-        self._open_timeout_s = float(open_timeout_s)
-        self._reopen_interval_s = float(reopen_interval_s)
-        self._max_probe_batch = max_probe_batch
-
+        self._set_region(primary_kv_view)
+        self._set_identity(offloading_spec, namespace)
         self._events: list[OffloadingEvent] | None = None
-        if enable_kv_events:
+        if kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
                 self._events = []
             else:
@@ -368,6 +336,74 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         except BaseException:
             self._close_on_error()
             raise
+
+    def _set_options(
+        self,
+        url: object,
+        backend_options: object,
+        namespace: object,
+        *,
+        timeout_s: object,
+        open_timeout_s: object,
+        reopen_interval_s: object,
+        max_probe_batch: object,
+        locality: object,
+    ) -> None:
+        """Check and keep the tier's options (see the class docstring).
+
+        Raises:
+            ConfigError: a bad value; the message names the option.
+        """
+        if not isinstance(url, str) or not url:
+            raise ConfigError(f"the tiercache tier needs a backend url, got {url!r}")
+        if backend_options is not None and not isinstance(backend_options, dict):
+            raise ConfigError(f"backend_options must be a dict, got {backend_options!r}")
+        if not isinstance(namespace, str):
+            raise ConfigError(f"namespace must be a str, got {namespace!r}")
+        self._timeout_s = check_number(timeout_s, "timeout_s", positive=True, error=ConfigError)
+        self._open_timeout_s = check_number(
+            open_timeout_s, "open_timeout_s", positive=True, error=ConfigError
+        )
+        self._reopen_interval_s = check_number(
+            reopen_interval_s, "reopen_interval_s", positive=True, error=ConfigError
+        )
+        self._max_probe_batch = check_positive(
+            max_probe_batch, "max_probe_batch", error=ConfigError
+        )
+        try:
+            self.locality = Locality(locality) if locality is not None else None
+        except ValueError:
+            choices = [m.value for m in Locality]
+            raise ConfigError(f"locality must be one of {choices}, got {locality!r}") from None
+        self._url = url
+        self._url_display = redact_url(url)
+        self._backend_options = dict(backend_options or {})
+
+    def _set_region(self, view: memoryview) -> None:
+        """Take vLLM's primary region: one row per block.
+
+        Raises:
+            ConfigError: not C-contiguous, or rows of no bytes.
+        """
+        if view.ndim < 1 or view.strides is None or not view.c_contiguous:
+            raise ConfigError("the primary region must be a C-contiguous memoryview")
+        self._block_bytes = int(view.strides[0])
+        self._num_blocks = int(view.shape[0]) if view.shape else 0
+        if self._block_bytes <= 0:
+            raise ConfigError("the primary region's rows are empty")
+        # One flat byte view over vLLM's region: block c is [c*bytes, (c+1)*bytes).
+        self._flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+    def _set_identity(self, offloading_spec: Any, namespace: str) -> None:
+        """The identity of the bytes, and the key prefix and page format made from it."""
+        identity = vllm_identity(offloading_spec, self._block_bytes)
+        if namespace:
+            identity["namespace"] = namespace
+        self.identity: dict[str, Any] = identity
+        canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+        #: 16 hex digits of sha256 over the identity: the prefix of every key.
+        self.namespace_digest = hashlib.sha256(canonical.encode()).hexdigest()[:16]
+        self._page_format = f"vllm/{self.namespace_digest}/{self._block_bytes}"
 
     def _close_on_error(self) -> None:
         if self.metrics is not None:
@@ -694,8 +730,7 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         """Run one storage call under the timeout; a failure is returned, not raised."""
         try:
             backend = await self._ensure_backend()
-            async with asyncio.timeout(self._timeout_s):
-                return await call(backend), None
+            return await bounded(call(backend), self._timeout_s), None
         except TimeoutError:
             err = f"{what} of {n} blocks took more than {self._timeout_s:g} s"
         except StorageError as e:

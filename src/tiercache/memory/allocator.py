@@ -8,6 +8,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from tiercache._checks import check_count, check_positive
 from tiercache.errors import DoubleFreeError, InvalidInputError
 
 __all__ = ["PageAllocator", "check_slot_indices"]
@@ -30,6 +31,22 @@ def check_slot_indices(
     Raises:
         InvalidInputError: wrong type, dtype, shape, alignment or range.
     """
+    cpu = _int64_vector(indices, page_size, what)
+    n = cpu.numel()
+    if n == 0:
+        return cpu
+    # numpy, not torch: an operation checks a handful of pages, where each
+    # torch op costs several microseconds and numpy's about one.
+    a = cpu.numpy()
+    if n <= _SMALL:  # a few pages: plain Python ints beat numpy's per-call cost
+        _check_small_runs(a.tolist(), page_size, num_slots, what)
+    else:
+        _check_runs(a, page_size, num_slots, what)
+    return cpu
+
+
+def _int64_vector(indices: object, page_size: int, what: str) -> torch.Tensor:
+    """``indices`` on the CPU once it is a 1-D int64 tensor of whole pages."""
     if not isinstance(indices, torch.Tensor):
         raise InvalidInputError(
             f"{what} must be a torch.Tensor of int64, got {type(indices).__name__}"
@@ -41,26 +58,28 @@ def check_slot_indices(
     n = indices.numel()
     if n % page_size:
         raise InvalidInputError(f"{what} has {n} slots, not a multiple of page_size={page_size}")
-    cpu = indices.cpu() if indices.device.type != "cpu" else indices
-    if n == 0:
-        return cpu
-    # numpy, not torch: an operation checks a handful of pages, where each
-    # torch op costs several microseconds and numpy's about one.
-    a = cpu.numpy()
-    if n <= _SMALL:  # a few pages: plain Python ints beat numpy's per-call cost
-        slots = a.tolist()
-        lo, hi = min(slots), max(slots)
-        if lo < 0 or hi >= num_slots:
-            raise InvalidInputError(f"{what} out of range [0, {num_slots}): min {lo}, max {hi}")
-        for start in range(0, n, page_size):
-            first = slots[start]
-            if first % page_size or slots[start : start + page_size] != list(
-                range(first, first + page_size)
-            ):
-                raise InvalidInputError(
-                    f"{what} are not page-aligned runs of page_size={page_size} slots"
-                )
-        return cpu
+    return indices.cpu() if indices.device.type != "cpu" else indices
+
+
+def _misaligned(page_size: int, what: str) -> InvalidInputError:
+    return InvalidInputError(f"{what} are not page-aligned runs of page_size={page_size} slots")
+
+
+def _check_small_runs(slots: list[int], page_size: int, num_slots: int, what: str) -> None:
+    """Range and alignment of a few pages of slots, as Python ints."""
+    lo, hi = min(slots), max(slots)
+    if lo < 0 or hi >= num_slots:
+        raise InvalidInputError(f"{what} out of range [0, {num_slots}): min {lo}, max {hi}")
+    for start in range(0, len(slots), page_size):
+        first = slots[start]
+        if first % page_size or slots[start : start + page_size] != list(
+            range(first, first + page_size)
+        ):
+            raise _misaligned(page_size, what)
+
+
+def _check_runs(a: npt.NDArray[np.int64], page_size: int, num_slots: int, what: str) -> None:
+    """Range and alignment of many pages of slots, vectorised."""
     lo, hi = int(a.min()), int(a.max())
     if lo < 0 or hi >= num_slots:
         raise InvalidInputError(f"{what} out of range [0, {num_slots}): min {lo}, max {hi}")
@@ -68,10 +87,7 @@ def check_slot_indices(
         pages = a.reshape(-1, page_size)
         first = pages[:, :1]
         if (first % page_size).any() or not np.array_equal(pages, first + _steps(page_size)):
-            raise InvalidInputError(
-                f"{what} are not page-aligned runs of page_size={page_size} slots"
-            )
-    return cpu
+            raise _misaligned(page_size, what)
 
 
 @functools.lru_cache(maxsize=16)
@@ -100,10 +116,8 @@ class PageAllocator:
     """
 
     def __init__(self, num_slots: int, page_size: int) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise InvalidInputError(f"page_size must be a positive int, got {page_size!r}")
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
-            raise InvalidInputError(f"num_slots must be a non-negative int, got {num_slots!r}")
+        page_size = check_positive(page_size, "page_size")
+        num_slots = check_count(num_slots, "num_slots")
         if num_slots % page_size:
             raise InvalidInputError(
                 f"num_slots={num_slots} is not a multiple of page_size={page_size}"
@@ -143,8 +157,7 @@ class PageAllocator:
             InvalidInputError: ``num_tokens`` negative, not an int or not a
                 multiple of the page size.
         """
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise InvalidInputError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        num_tokens = check_count(num_tokens, "num_tokens")
         if num_tokens % self.page_size:
             raise InvalidInputError(
                 f"num_tokens={num_tokens} is not a multiple of page_size={self.page_size}"

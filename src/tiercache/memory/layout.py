@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiercache._checks import check_bool, check_positive
 from tiercache.errors import InvalidInputError
 
 __all__ = ["SUPPORTED_DTYPES", "KVLayout", "dtype_name"]
@@ -26,12 +27,6 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float16`` -> ``"float16"``: the stable name used in keys and headers."""
     return str(dtype).removeprefix("torch.")
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,16 +55,13 @@ class KVLayout:
     mla: bool = False
 
     def __post_init__(self) -> None:
-        _positive_int("num_layers", self.num_layers)
-        _positive_int("num_kv_heads", self.num_kv_heads)
-        _positive_int("head_dim", self.head_dim)
-        _positive_int("page_size", self.page_size)
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            object.__setattr__(self, name, check_positive(getattr(self, name), name))
         if not isinstance(self.dtype, torch.dtype) or self.dtype not in SUPPORTED_DTYPES:
             raise InvalidInputError(
                 f"dtype must be one of {[dtype_name(d) for d in SUPPORTED_DTYPES]}, got {self.dtype!r}"
             )
-        if not isinstance(self.mla, bool):
-            raise InvalidInputError(f"mla must be a bool, got {self.mla!r}")
+        object.__setattr__(self, "mla", check_bool(self.mla, "mla"))
         if self.mla and self.num_kv_heads != 1:
             raise InvalidInputError(
                 f"an MLA layout has one latent head, got num_kv_heads={self.num_kv_heads}"

@@ -10,6 +10,7 @@ from typing import Literal
 
 import torch
 
+from tiercache._checks import check_positive
 from tiercache.errors import CapacityError, InvalidInputError
 from tiercache.memory.allocator import check_slot_indices
 from tiercache.memory.layout import KVLayout
@@ -160,12 +161,7 @@ class DeviceKVPool:
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
-            raise InvalidInputError(f"num_slots must be a positive int, got {num_slots!r}")
-        if num_slots % layout.page_size:
-            raise InvalidInputError(
-                f"num_slots={num_slots} is not a multiple of page_size={layout.page_size}"
-            )
+        num_slots = _whole_pages(num_slots, layout)
         self.layout = layout
         self.num_slots = num_slots
         self.device = resolve_device(device)
@@ -280,6 +276,29 @@ def host_page_buffer(
     return PageBuffer(tuple(segs), layout.page_bytes, fmt)
 
 
+def _whole_pages(num_slots: object, layout: KVLayout) -> int:
+    """``num_slots`` once it is a positive int of whole pages of ``layout``."""
+    n = check_positive(num_slots, "num_slots")
+    if n % layout.page_size:
+        raise InvalidInputError(f"num_slots={n} is not a multiple of page_size={layout.page_size}")
+    return n
+
+
+def _host_slots(layout: KVLayout, num_slots: object, size_bytes: object) -> object:
+    """The slots a host pool asks for: ``num_slots``, or the whole pages in ``size_bytes``."""
+    if (num_slots is None) == (size_bytes is None):
+        raise InvalidInputError("give exactly one of num_slots and size_bytes")
+    if size_bytes is None:
+        return num_slots
+    size = check_positive(size_bytes, "size_bytes")
+    slots = size // layout.page_bytes * layout.page_size
+    if slots == 0:
+        raise InvalidInputError(
+            f"size_bytes={size} is smaller than one page ({layout.page_bytes} bytes)"
+        )
+    return slots
+
+
 class HostKVPool:
     """The L2 pool: one big host buffer, pinned when CUDA is present.
 
@@ -321,23 +340,7 @@ class HostKVPool:
             raise InvalidInputError(
                 f"host_layout must be one of {HOST_LAYOUTS}, got {host_layout!r}"
             )
-        if (num_slots is None) == (size_bytes is None):
-            raise InvalidInputError("give exactly one of num_slots and size_bytes")
-        if size_bytes is not None:
-            if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes <= 0:
-                raise InvalidInputError(f"size_bytes must be a positive int, got {size_bytes!r}")
-            num_slots = size_bytes // layout.page_bytes * layout.page_size
-            if num_slots == 0:
-                raise InvalidInputError(
-                    f"size_bytes={size_bytes} is smaller than one page ({layout.page_bytes} bytes)"
-                )
-        assert num_slots is not None
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
-            raise InvalidInputError(f"num_slots must be a positive int, got {num_slots!r}")
-        if num_slots % layout.page_size:
-            raise InvalidInputError(
-                f"num_slots={num_slots} is not a multiple of page_size={layout.page_size}"
-            )
+        num_slots = _whole_pages(_host_slots(layout, num_slots, size_bytes), layout)
         self.layout = layout
         self.num_slots = num_slots
         self.host_layout = host_layout

@@ -15,7 +15,8 @@ from tiercache.memory.pages import PageBuffer
 __all__ = ["BackendState", "BackendStats", "PageBuffer", "PageKey", "StorageBackend"]
 
 #: A storage key: the identity namespace and the page's hash chain value,
-#: e.g. ``"3f9a0c1d2b4e5f60-cf97adee...b72"``. Only ``[0-9A-Za-z_.-]``.
+#: e.g. ``"3f9a0c1d2b4e5f60-cf97adee...b72"``. Only ``[0-9A-Za-z_.-]``, at most 200
+#: characters, never starting with ``.`` (`tiercache.storage.keys.validate_key`).
 PageKey = NewType("PageKey", str)
 
 
@@ -49,6 +50,10 @@ class StorageBackend(AsyncResource):
     the loop. A backend is an async resource: ``async with backend:`` closes it
     on exit, ``aclose()`` is idempotent, any call after close raises
     `BackendUnavailableError`.
+
+    Every call checks its keys with `tiercache.storage.keys.check_batch`
+    before any I/O, so a key one backend refuses (`InvalidInputError`) every
+    backend refuses.
 
     Failures raise `StorageError` subclasses, which callers treat as a miss.
     A page that fails its checks when read (corrupt, truncated, other format,

@@ -17,12 +17,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tiercache._checks import check_bool, check_positive, is_int
 from tiercache.errors import InvalidInputError
 from tiercache.memory.layout import KVLayout, dtype_name
 from tiercache.memory.pools import HOST_LAYOUTS
-from tiercache.storage.base import PageKey
+from tiercache.storage.base import PageBuffer, PageKey
 
-__all__ = ["MAX_KEY_LENGTH", "StorageNamespace", "validate_key"]
+__all__ = ["MAX_KEY_LENGTH", "StorageNamespace", "check_batch", "validate_key"]
 
 #: The longest storage key a backend accepts.
 MAX_KEY_LENGTH = 200
@@ -52,6 +53,36 @@ def validate_key(key: object) -> PageKey:
             f"a page key may only use [0-9A-Za-z_.-] and not start with '.': {key!r}"
         )
     return PageKey(key)
+
+
+def check_batch(
+    keys: Sequence[PageKey], pages: Sequence[PageBuffer] | None = None
+) -> list[PageKey]:
+    """Check a batch's keys with `validate_key`, and that there is one page per key.
+
+    Every backend checks its batches here, before any I/O.
+
+    Args:
+        keys: the batch's keys (a sequence; one ``str`` is refused, not split).
+        pages: the batch's pages, or None for a call without pages.
+
+    Returns:
+        The keys, as a new list.
+
+    Raises:
+        InvalidInputError: a bad key, ``keys`` and ``pages`` of different
+            lengths, or a page that is not a `PageBuffer`.
+    """
+    if isinstance(keys, str):
+        raise InvalidInputError("keys must be a sequence of keys, not one str")
+    out = [validate_key(k) for k in keys]
+    if pages is not None:
+        if len(pages) != len(out):
+            raise InvalidInputError(f"{len(out)} keys but {len(pages)} pages")
+        for p in pages:
+            if not isinstance(p, PageBuffer):
+                raise InvalidInputError(f"pages must be PageBuffer objects, got {type(p).__name__}")
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,19 +126,13 @@ class StorageNamespace:
                 f"host_layout must be one of {HOST_LAYOUTS}, got {self.host_layout!r}"
             )
         for name in ("page_size", "tp_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise InvalidInputError(f"{name} must be a positive int, got {v!r}")
-        if (
-            isinstance(self.tp_rank, bool)
-            or not isinstance(self.tp_rank, int)
-            or not 0 <= self.tp_rank < self.tp_size
-        ):
+            object.__setattr__(self, name, check_positive(getattr(self, name), name))
+        if not is_int(self.tp_rank) or not 0 <= self.tp_rank < self.tp_size:
             raise InvalidInputError(
                 f"tp_rank must be an int in [0, {self.tp_size}), got {self.tp_rank!r}"
             )
-        if not isinstance(self.mla, bool):
-            raise InvalidInputError(f"mla must be a bool, got {self.mla!r}")
+        object.__setattr__(self, "tp_rank", int(self.tp_rank))
+        object.__setattr__(self, "mla", check_bool(self.mla, "mla"))
         object.__setattr__(self, "_digest", hashlib.sha256(self.identity.encode()).hexdigest()[:16])
 
     @classmethod

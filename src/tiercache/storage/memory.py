@@ -7,60 +7,21 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 from urllib.parse import urlsplit
 
-from tiercache.errors import ConfigError, InvalidInputError
+from tiercache._aio import finish
+from tiercache.errors import ConfigError
 from tiercache.storage.base import BackendState, BackendStats, PageBuffer, PageKey, StorageBackend
-from tiercache.storage.keys import validate_key
+from tiercache.storage.keys import check_batch
 from tiercache.storage.registry import option_int, reject_unknown, url_options
 
-__all__ = ["MemoryBackend"]
+__all__ = ["MemoryBackend", "check_batch"]
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-
 #: Batches moving more bytes than this copy in an executor, not on the loop.
 _OFFLOAD_BYTES = 1 << 20
-
-
-async def _finish(fut: asyncio.Future[_T]) -> _T:
-    """Await an executor future; if cancelled, still wait for it to end, then re-raise.
-
-    A ``run_in_executor`` job keeps running after its awaiting task is
-    cancelled. A job that writes into a caller's page must be over before the
-    caller regains control, or the caller could reuse the page under it.
-    """
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        while not fut.done():
-            try:
-                await asyncio.wait([fut])
-            except asyncio.CancelledError:
-                continue
-        raise
-
-
-def check_batch(
-    keys: Sequence[PageKey], pages: Sequence[PageBuffer] | None = None
-) -> list[PageKey]:
-    """Validate a batch's keys (and that there is one page per key).
-
-    Raises:
-        InvalidInputError: a bad key, or ``keys`` and ``pages`` of different lengths.
-    """
-    if isinstance(keys, str):
-        raise InvalidInputError("keys must be a sequence of keys, not one str")
-    out = [validate_key(k) for k in keys]
-    if pages is not None:
-        if len(pages) != len(out):
-            raise InvalidInputError(f"{len(out)} keys but {len(pages)} pages")
-        for p in pages:
-            if not isinstance(p, PageBuffer):
-                raise InvalidInputError(f"pages must be PageBuffer objects, got {type(p).__name__}")
-    return out
 
 
 @dataclass(slots=True)
@@ -174,7 +135,7 @@ class MemoryBackend(StorageBackend):
             found.append(True)
         nbytes = sum(len(d) for d, _ in copies)
         if nbytes > _OFFLOAD_BYTES:
-            await _finish(asyncio.get_running_loop().run_in_executor(None, _copy_out, copies))
+            await finish(asyncio.get_running_loop().run_in_executor(None, _copy_out, copies))
         else:
             _copy_out(copies)
         self._stats.get_pages += len(ks)
@@ -200,8 +161,9 @@ class MemoryBackend(StorageBackend):
                 seen.add(k)
         snap: Callable[[], list[bytes]] = lambda: [pages[i].tobytes() for i in todo]  # noqa: E731
         if sum(pages[i].nbytes for i in todo) > _OFFLOAD_BYTES:
-            # A cancelled snapshot is simply dropped: nothing is stored.
-            datas = await asyncio.get_running_loop().run_in_executor(None, snap)
+            # Cancelled: nothing is stored, and the caller gets its pages back
+            # only once the snapshot stopped reading them.
+            datas = await finish(asyncio.get_running_loop().run_in_executor(None, snap))
             self._check_open()
         else:
             datas = snap()

@@ -27,20 +27,22 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
+from tiercache._aio import finish
+from tiercache._checks import check_number, check_positive
 from tiercache.errors import (
     BackendUnavailableError,
     ConfigError,
-    InvalidInputError,
     StorageCorruptionError,
     StorageError,
     StorageTimeoutError,
 )
 from tiercache.storage.base import BackendState, PageBuffer, PageKey, StorageBackend
 from tiercache.storage.format import pack_page, unpack_page
+from tiercache.storage.keys import check_batch
 from tiercache.storage.registry import option_bool
 
 try:
@@ -69,7 +71,6 @@ T = TypeVar("T")
 #: where a thread hop would cost more than it saves.
 OFFLOAD_BYTES = 1 << 20
 
-_KEY_RE = re.compile(r"[0-9A-Za-z_.-]+")
 _SCHEMES = {
     "redis": False,
     "rediss": False,
@@ -135,43 +136,51 @@ def _secrets_of(url: str) -> tuple[str, ...]:
 
 
 def _as_positive_float(name: str, value: object) -> float:
-    if isinstance(value, int | float | str) and not isinstance(value, bool):
+    """A positive finite number from a number or a decimal string (a URL query value)."""
+    if isinstance(value, str):
         try:
-            number = float(value)
+            value = float(value)
         except ValueError:
             pass
-        else:
-            if number > 0 and number != float("inf"):
-                return number
-    raise ConfigError(f"redis option {name} must be a positive number, got {value!r}")
+    return check_number(value, f"redis option {name}", positive=True, error=ConfigError)
 
 
 def _as_positive_int(name: str, value: object) -> int:
-    if isinstance(value, int | str) and not isinstance(value, bool):
+    """A positive int from an int or a decimal string (a URL query value)."""
+    if isinstance(value, str):
         try:
-            number = int(value)
+            value = int(value, 10)
         except ValueError:
             pass
+    return check_positive(value, f"redis option {name}", error=ConfigError)
+
+
+def _split_query(query: str, url_display: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The URL's query as (our options, parameters for redis-py).
+
+    Raises:
+        ConfigError: a parameter that is neither.
+    """
+    ours: dict[str, str] = {}
+    passed: list[tuple[str, str]] = []
+    for k, v in parse_qsl(query, keep_blank_values=True):
+        if k in _OPTIONS and k != "ping_on_open":
+            ours[k] = v
+        elif k in _PASSTHROUGH_QUERY:
+            passed.append((k, v))
         else:
-            if number > 0:
-                return number
-    raise ConfigError(f"redis option {name} must be a positive int, got {value!r}")
+            raise ConfigError(f"unknown redis URL parameter {k!r} in {url_display}")
+    return ours, passed
 
 
 async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """Run ``fn(*args)`` in the default executor; on cancellation wait for it, then re-raise.
+    """Run ``fn(*args)`` in the default executor, to its end even if the caller is cancelled.
 
     The functions run here read or write page buffers the caller owns, so a
     cancelled caller must not get its pages back while a worker still touches
-    them.
+    them (`tiercache._aio.finish`).
     """
-    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            await fut
-        raise
+    return await finish(asyncio.get_running_loop().run_in_executor(None, fn, *args))
 
 
 def _pack_values(keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bytes]:
@@ -276,26 +285,58 @@ class RedisBackend(StorageBackend):
                 f"unsupported redis URL scheme {parts.scheme!r} in {self._url_display}; "
                 f"use one of {sorted(_SCHEMES)}"
             )
-        url_cluster = _SCHEMES[scheme]
+        ours, passed = _split_query(parts.query, self._url_display)
+        if cluster is None:
+            cluster = _SCHEMES[scheme] or option_bool("cluster", ours.get("cluster", False))
         scheme = scheme.removesuffix("+cluster")
-        ours: dict[str, str] = {}
-        passed: list[tuple[str, str]] = []
-        for k, v in parse_qsl(parts.query, keep_blank_values=True):
-            if k in _OPTIONS and k != "ping_on_open":
-                ours[k] = v
-            elif k in _PASSTHROUGH_QUERY:
-                passed.append((k, v))
-            else:
-                raise ConfigError(f"unknown redis URL parameter {k!r} in {self._url_display}")
+        self._set_options(
+            ours,
+            prefix=prefix,
+            ttl_seconds=ttl_seconds,
+            timeout=timeout,
+            max_connections=max_connections,
+            cluster=cluster,
+        )
+        if self.cluster and scheme == "unix":
+            raise ConfigError(
+                "Redis Cluster is reached over TCP: use redis+cluster:// or rediss+cluster://"
+            )
+        self._healthy = True
+        client_url = _unsplit(scheme, parts.netloc, parts.path, urlencode(passed), parts.fragment)
+        self._common = self._connection_options()
+        self._client: Any = self._make_client(client_url)
+        # Cluster: one plain client per node (`_node_client`), made from the
+        # same URL with the node's address, so TLS and credentials carry over.
+        self._client_url = parts._replace(scheme=scheme, query=urlencode(passed))
+        self._node_clients: dict[str, Any] = {}
+        self._failed_nodes: dict[str, float] = {}  # node -> loop time of its last failure
+        self._refresh_task: asyncio.Task[None] | None = None
+        self._last_refresh = float("-inf")
+        self._topology_loaded = False
 
+    def _set_options(
+        self,
+        ours: dict[str, str],
+        *,
+        prefix: str | None,
+        ttl_seconds: float | None,
+        timeout: float | None,
+        max_connections: int | None,
+        cluster: object,
+    ) -> None:
+        """Check and set the options; a keyword (not None) wins over the URL's ``ours``."""
         prefix = prefix if prefix is not None else ours.get("prefix", "tiercache:")
         if not isinstance(prefix, str) or not prefix:
             raise ConfigError(
                 "redis prefix must be a non-empty str (clear() deletes every key under it)"
             )
+        self.prefix: str = prefix
         ttl_raw: object = ttl_seconds if ttl_seconds is not None else ours.get("ttl_seconds")
         self.ttl_seconds: float | None = (
             None if ttl_raw is None else _as_positive_float("ttl_seconds", ttl_raw)
+        )
+        self._px: int | None = (
+            None if self.ttl_seconds is None else max(1, round(self.ttl_seconds * 1000))
         )
         self.timeout: float = _as_positive_float(
             "timeout", timeout if timeout is not None else ours.get("timeout", 5.0)
@@ -304,24 +345,14 @@ class RedisBackend(StorageBackend):
             "max_connections",
             max_connections if max_connections is not None else ours.get("max_connections", 32),
         )
-        if cluster is None:
-            cluster = url_cluster or option_bool("cluster", ours.get("cluster", False))
         self.cluster: bool = option_bool("cluster", cluster)
-        if self.cluster and scheme == "unix":
-            raise ConfigError(
-                "Redis Cluster is reached over TCP: use redis+cluster:// or rediss+cluster://"
-            )
-        self.prefix: str = prefix
-        self._px: int | None = (
-            None if self.ttl_seconds is None else max(1, round(self.ttl_seconds * 1000))
-        )
-        self._healthy = True
 
-        client_url = _unsplit(scheme, parts.netloc, parts.path, urlencode(passed), parts.fragment)
+    def _connection_options(self) -> dict[str, Any]:
+        """Keyword options of every connection pool (the main client's and each node's)."""
         # One retry, quickly: it is what turns a connection that died while
         # pooled (server restarted) into a fresh one without failing the call.
         retry = Retry(ExponentialBackoff(cap=min(0.5, self.timeout / 4), base=0.01), retries=1)
-        common: dict[str, Any] = {
+        return {
             # Explicit, so that no connection looks the version up in the
             # package metadata (file IO) on the event loop.
             "driver_info": DriverInfo(name="redis-py", lib_version=redis.__version__),
@@ -330,31 +361,27 @@ class RedisBackend(StorageBackend):
             "retry": retry,
             "max_connections": self.max_connections,
         }
+
+    def _make_client(self, client_url: str) -> Any:
+        """The redis-py client (no IO yet).
+
+        Raises:
+            ConfigError: redis-py refuses the URL or an option.
+        """
+        common = self._common
         try:
             if self.cluster:
                 # Slots of a failed master stay uncovered until a replica takes
                 # over: the other masters' slots must stay usable meanwhile.
-                self._client: Any = RedisCluster.from_url(
-                    client_url, require_full_coverage=False, **common
-                )
-            else:
-                pool = aioredis.BlockingConnectionPool.from_url(
-                    client_url, timeout=self.timeout, **common
-                )
-                self._client = aioredis.Redis.from_pool(pool)
+                return RedisCluster.from_url(client_url, require_full_coverage=False, **common)
+            pool = aioredis.BlockingConnectionPool.from_url(
+                client_url, timeout=self.timeout, **common
+            )
+            return aioredis.Redis.from_pool(pool)
         except (ValueError, TypeError, redis_errors.RedisError) as e:
             raise ConfigError(
                 f"invalid redis URL {self._url_display}: {self._scrub(str(e))}"
             ) from None
-        # Cluster: one plain client per node (`_node_client`), made from the
-        # same URL with the node's address, so TLS and credentials carry over.
-        self._client_url = parts._replace(scheme=scheme, query=urlencode(passed))
-        self._common = common
-        self._node_clients: dict[str, Any] = {}
-        self._failed_nodes: dict[str, float] = {}  # node -> loop time of its last failure
-        self._refresh_task: asyncio.Task[None] | None = None
-        self._last_refresh = float("-inf")
-        self._topology_loaded = False
 
     @classmethod
     async def from_url(cls, url: str, **options: Any) -> RedisBackend:
@@ -401,23 +428,6 @@ class RedisBackend(StorageBackend):
 
     def _rkey(self, key: PageKey) -> str:
         return self.prefix + key
-
-    @staticmethod
-    def _check_keys(keys: Sequence[PageKey]) -> None:
-        for k in keys:
-            if not isinstance(k, str) or _KEY_RE.fullmatch(k) is None:
-                raise InvalidInputError(
-                    f"page keys are non-empty strings of [0-9A-Za-z_.-], got {k!r}"
-                )
-
-    @staticmethod
-    def _check_pairs(keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> None:
-        if len(keys) != len(pages):
-            raise InvalidInputError(f"{len(keys)} keys but {len(pages)} pages")
-        RedisBackend._check_keys(keys)
-        for p in pages:
-            if not isinstance(p, PageBuffer):
-                raise InvalidInputError(f"pages must be PageBuffer objects, got {type(p).__name__}")
 
     def _failed(self, op: str, error: StorageError) -> StorageError:
         self._stats.errors += 1
@@ -519,33 +529,12 @@ class RedisBackend(StorageBackend):
                 await self._client.initialize()
             self._topology_loaded = True
         results: list[Any] = [None] * len(rkeys)
-        todo = list(range(len(rkeys)))
-        for attempt in range(2):
-            groups: dict[tuple[str, int], list[int]] = {}
-            for i in todo:
-                try:
-                    node = self._client.get_node_from_key(rkeys[i])
-                except redis_errors.RedisClusterException as e:  # slot not covered
-                    results[i] = BackendUnavailableError(f"redis cluster: {self._scrub(str(e))}")
-                    continue
-                groups.setdefault((node.host, node.port), []).append(i)
-            answered = await asyncio.gather(
-                *(self._node_pipeline(op, h, p, idx, queue) for (h, p), idx in groups.items())
-            )
-            moved: list[int] = []
-            for idx, replies in zip(groups.values(), answered, strict=True):
-                for i, r in zip(idx, replies, strict=True):
-                    results[i] = r
-                    if isinstance(r, _REDIRECTS):
-                        moved.append(i)
-            if any(isinstance(r, _NODE_FAILED) for r in results):
-                self._refresh_topology_soon()
-            if not moved or attempt:
-                break
+        moved = await self._send_by_node(op, rkeys, range(len(rkeys)), queue, results)
+        if moved:  # the topology moved under the batch: reload it, send those once more
             async with self._call(op):
                 await self._client.nodes_manager.initialize()
             self._last_refresh = asyncio.get_running_loop().time()
-            todo = moved
+            await self._send_by_node(op, rkeys, moved, queue, results)
         if results and all(isinstance(r, _NODE_FAILED) for r in results) and self._cluster_down():
             error = type(results[0])(f"redis {op} at {self._url_display}: {results[0]}")
             raise self._failed(op, error)
@@ -553,6 +542,40 @@ class RedisBackend(StorageBackend):
             self._healthy = True
             logger.info("redis backend %s answers again", self._url_display)
         return results
+
+    async def _send_by_node(
+        self,
+        op: str,
+        rkeys: Sequence[str],
+        todo: Iterable[int],
+        queue: Callable[[Any, int], None],
+        results: list[Any],
+    ) -> list[int]:
+        """Send the commands ``todo`` grouped by owning node, all nodes at once.
+
+        Fills ``results[i]`` with each reply (or error object) and returns the
+        indices answered with a redirect (`_REDIRECTS`).
+        """
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i in todo:
+            try:
+                node = self._client.get_node_from_key(rkeys[i])
+            except redis_errors.RedisClusterException as e:  # slot not covered
+                results[i] = BackendUnavailableError(f"redis cluster: {self._scrub(str(e))}")
+                continue
+            groups.setdefault((node.host, node.port), []).append(i)
+        answered = await asyncio.gather(
+            *(self._node_pipeline(op, h, p, idx, queue) for (h, p), idx in groups.items())
+        )
+        moved: list[int] = []
+        for idx, replies in zip(groups.values(), answered, strict=True):
+            for i, r in zip(idx, replies, strict=True):
+                results[i] = r
+                if isinstance(r, _REDIRECTS):
+                    moved.append(i)
+        if any(isinstance(r, _NODE_FAILED) for r in results):
+            self._refresh_topology_soon()
+        return moved
 
     def _cluster_down(self) -> bool:
         """Every master known to the topology failed within the last ``max(1, 2 * timeout)`` s."""
@@ -627,7 +650,7 @@ class RedisBackend(StorageBackend):
     async def batch_exists(self, keys: Sequence[PageKey]) -> int:
         """How many of ``keys``, counted from the first, are stored: one pipeline of ``EXISTS``."""
         self._check_open()
-        self._check_keys(keys)
+        check_batch(keys)
         self._stats.exists_calls += 1
         if not keys:
             return 0
@@ -650,17 +673,35 @@ class RedisBackend(StorageBackend):
 
         Raises:
             InvalidInputError: ``keys`` and ``pages`` differ in length, or a
-                key has characters outside ``[0-9A-Za-z_.-]``.
+                key that `validate_key` refuses (as every backend does).
             BackendUnavailableError, StorageTimeoutError, StorageError: the
                 read failed; no page buffer was written.
         """
         self._check_open()
-        self._check_pairs(keys, pages)
+        check_batch(keys, pages)
         if not keys:
             return []
 
         rkeys = [self._rkey(k) for k in keys]
         replies = await self._pipeline("get", rkeys, lambda pipe, i: pipe.get(rkeys[i]))
+        blobs = self._values(keys, replies)
+        nbytes = sum(p.nbytes for p in pages)
+        if nbytes > OFFLOAD_BYTES:
+            outcome = await _off_loop(_unpack_values, keys, blobs, pages)
+        else:
+            outcome = _unpack_values(keys, blobs, pages)
+        arrived, corrupt = self._count_reads(keys, pages, outcome)
+        if corrupt:
+            try:
+                await self.delete(corrupt)
+            except StorageError as e:
+                logger.warning(
+                    "redis backend %s: could not delete corrupt pages: %s", self._url_display, e
+                )
+        return arrived
+
+    def _values(self, keys: Sequence[PageKey], replies: Sequence[Any]) -> list[bytes | None]:
+        """The value of each ``GET`` reply; a failed command is ``None`` (a miss), logged."""
         blobs: list[bytes | None] = []
         for k, r in zip(keys, replies, strict=True):
             if isinstance(r, _NODE_FAILED):
@@ -672,23 +713,23 @@ class RedisBackend(StorageBackend):
                 self._stats.errors += 1
                 r = None
             blobs.append(r)
-        nbytes = sum(p.nbytes for p in pages)
-        if nbytes > OFFLOAD_BYTES:
-            outcome = await _off_loop(_unpack_values, keys, blobs, pages)
-        else:
-            outcome = _unpack_values(keys, blobs, pages)
+        return blobs
 
+    def _count_reads(
+        self,
+        keys: Sequence[PageKey],
+        pages: Sequence[PageBuffer],
+        outcome: Sequence[str | None | bool],
+    ) -> tuple[list[bool], list[PageKey]]:
+        """Count a read's outcome in the stats: (per page whether it arrived, the corrupt keys)."""
         arrived: list[bool] = []
         corrupt: list[PageKey] = []
-        for k, blob, page, o in zip(keys, blobs, pages, outcome, strict=True):
+        for k, page, o in zip(keys, pages, outcome, strict=True):
+            arrived.append(o is True)
             if o is True:
-                arrived.append(True)
                 self._stats.get_hits += 1
                 self._stats.bytes_read += page.nbytes
-                continue
-            arrived.append(False)
-            if isinstance(o, str):
-                assert blob is not None
+            elif isinstance(o, str):
                 logger.warning(
                     "redis backend %s: page %s failed its checks, dropping it: %s",
                     self._url_display,
@@ -698,14 +739,7 @@ class RedisBackend(StorageBackend):
                 self._stats.corrupt_pages += 1
                 corrupt.append(k)
         self._stats.get_pages += len(keys)
-        if corrupt:
-            try:
-                await self.delete(corrupt)
-            except StorageError as e:
-                logger.warning(
-                    "redis backend %s: could not delete corrupt pages: %s", self._url_display, e
-                )
-        return arrived
+        return arrived, corrupt
 
     async def batch_set(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
         """Store each page with ``SET key value NX [PX ttl]``: one pipeline, first writer wins.
@@ -720,12 +754,12 @@ class RedisBackend(StorageBackend):
 
         Raises:
             InvalidInputError: ``keys`` and ``pages`` differ in length, or a
-                key has characters outside ``[0-9A-Za-z_.-]``.
+                key that `validate_key` refuses (as every backend does).
             BackendUnavailableError, StorageTimeoutError, StorageError: the
                 write failed; some pages may have been stored.
         """
         self._check_open()
-        self._check_pairs(keys, pages)
+        check_batch(keys, pages)
         if not keys:
             return []
         nbytes = sum(p.nbytes for p in pages)
@@ -762,7 +796,7 @@ class RedisBackend(StorageBackend):
     async def delete(self, keys: Sequence[PageKey]) -> int:
         """``UNLINK`` the keys (one pipeline); returns how many existed."""
         self._check_open()
-        self._check_keys(keys)
+        check_batch(keys)
         if not keys:
             return 0
 

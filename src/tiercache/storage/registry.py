@@ -48,6 +48,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+from tiercache._checks import check_int, parse_bool
 from tiercache.errors import BackendNotFoundError, ConfigError
 from tiercache.storage.base import StorageBackend
 
@@ -339,18 +340,12 @@ def option_int(name: str, value: Any, *, minimum: int | None = None) -> int:
     Raises:
         ConfigError: not an integer, or below ``minimum``.
     """
-    if isinstance(value, bool):
-        raise ConfigError(f"option {name} must be an int, got {value!r}")
     if isinstance(value, str):
         try:
             value = int(value.strip(), 10)
         except ValueError as e:
             raise ConfigError(f"option {name} must be an int, got {value!r}") from e
-    if not isinstance(value, int):
-        raise ConfigError(f"option {name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"option {name} must be >= {minimum}, got {value}")
-    return value
+    return check_int(value, f"option {name}", minimum=minimum, error=ConfigError)
 
 
 def option_float(name: str, value: Any, *, minimum: float | None = None) -> float:
@@ -370,23 +365,13 @@ def option_float(name: str, value: Any, *, minimum: float | None = None) -> floa
     return out
 
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
 def option_bool(name: str, value: Any) -> bool:
-    """A bool option from a bool, 0/1, or ``true/false/yes/no/on/off``.
+    """A bool option from a bool, 0/1, or ``true/false/yes/no/on/off`` (`parse_bool`).
 
     Raises:
-        ConfigError: anything else.
+        ConfigError: anything else; the message names the option.
     """
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ConfigError(f"option {name} must be a bool (1/0, true/false), got {value!r}")
+    return parse_bool(value, f"option {name}")
 
 
 def reject_unknown(

@@ -105,7 +105,9 @@ def test_the_manager_vllm_builds_holds_the_tier(tmp_path: Path, instances: list[
         {"timeout_s": 0},
         {"timeout_s": float("nan")},
         {"max_probe_batch": 0},
+        {"max_probe_batch": True},
         {"locality": "NEARBY"},
+        {"enable_kv_events": "maybe"},
     ],
     ids=[
         "empty-url",
@@ -114,7 +116,9 @@ def test_the_manager_vllm_builds_holds_the_tier(tmp_path: Path, instances: list[
         "zero-timeout",
         "nan-timeout",
         "zero-batch",
+        "bool-batch",
         "unknown-locality",
+        "unreadable-kv-events",
     ],
 )
 def test_bad_options_are_config_errors(tmp_path: Path, options: dict[str, object]) -> None:
