@@ -871,9 +871,10 @@ class StorageTier:
         """
         host, tokens = self._check_tokens(host_indices, token_ids)
         op = BackupOperation(node_id, host, hash_values or [], self._loop.create_future())
-        self.stats.backup_ops += 1
-        self.slots.hold(host)
+        # Spawned first (it runs later): a closed group refuses it before anything is held.
         self._backups[op] = self.tasks.spawn(self._backup(op, tokens, prior_hash), "a backup")
+        self.slots.hold(host)
+        self.stats.backup_ops += 1
         self._work_changed()
         return op
 

@@ -260,3 +260,15 @@ async def test_a_bug_in_a_storage_coroutine_surfaces_once_through_the_group(
     assert isinstance(e.value.__cause__, ZeroDivisionError)
     tasks.raise_failure()  # raised once only
     assert not hasattr(tier, "error")
+
+
+async def test_a_closed_group_refuses_a_backup_and_nothing_stays_held() -> None:
+    slots, tasks = FakeSlots(), TaskGroup("seam test")
+    tier = _tier(slots, tasks, MemoryBackend())
+    await tier.stop()
+    await tasks.aclose()
+    src = slots.allocator.alloc(2 * PS)
+    assert src is not None
+    with pytest.raises(StateError, match="closed"):
+        tier.write_storage(src, list(range(2 * PS)))
+    assert int(slots.held.sum()) == 0 and not tier.busy
