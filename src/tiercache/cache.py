@@ -26,20 +26,28 @@ Three rules hold at every verb:
 - The index never claims KV that did not land: the cache knows which device
   pages the index holds, and a failed load back hands its nodes back to the
   host tier and frees their slots once the copy has settled.
-- Device room that others hold is waited for, not failed on: one loop
-  (`TierCache._take_room`) serves allocations first come, first served, up
-  to ``config.alloc_timeout_s``. Host room that copies in flight hold is
-  waited for the same way (`TierCache._host_room`) by host writes and by
-  prefetches that may wait.
+- Room that others hold is waited for, not failed on. Device allocations,
+  and host writes and prefetches that may wait, queue for room first come,
+  first served (`_RoomQueue`, one per pool), up to ``config.alloc_timeout_s``.
+  Nothing polls: a waiter sleeps until an event that may release room (a
+  request ends, slots are freed, a copy, load or backup settles, a prefetch
+  ends) wakes it. Making device room is one loop (`TierCache._evict_device`):
+  each pass decides on the index as it is, with no await inside it.
+
+Every background task of the cache (a deferred write-through, a backup's
+bookkeeping, a prefetch finished on behalf of a cancelled caller) runs in the
+cache's `TaskGroup`, which the controller and its storage tier share: a
+failure is logged once and raised once, at the next call or at close.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Self, TypeVar
@@ -49,6 +57,7 @@ import torch
 
 from tiercache._checks import check_choice, check_count, check_slot_tensor, token_list
 from tiercache._resource import AsyncResource
+from tiercache._tasks import TaskGroup
 from tiercache.config import PREFETCH_POLICIES, TierCacheConfig
 from tiercache.controller import CopyAck, LoadHandle, Ready, TierController
 from tiercache.errors import CapacityError, ClosedError, InvalidInputError, StateError
@@ -64,8 +73,117 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: How often a task waiting for device room checks again when nothing woke it.
-_ROOM_POLL_S = 0.05
+
+# -- controller seams ---------------------------------------------------------
+# Each helper below is the one place the facade uses a controller verb that is
+# moving to a public name; the rest of the module calls these helpers only.
+
+
+def _ctl_busy(ctl: TierController) -> bool:
+    """Whether a copy is queued, in flight or about to start (``ctl.busy``)."""
+    return bool(ctl._inflight or ctl._write_queue or ctl._load_start_scheduled)
+
+
+def _ctl_on_settle(ctl: TierController, fn: Callable[[], None]) -> Callable[[], None]:
+    """Call ``fn`` each time a copy settles or slots are freed; returns its remover.
+
+    (``ctl.add_settle_callback(fn)``.) Until the controller offers it, the
+    facade wakes room waiters from its own copies' callbacks and its own frees.
+    """
+    return lambda: None
+
+
+def _ctl_free_device(ctl: TierController, dev: torch.Tensor, *, ready: Ready = None) -> None:
+    """Free device slots through the controller (``ctl.free_device``)."""
+    ctl.evict_device(dev, ready=ready)
+
+
+def _ctl_free_host(ctl: TierController, host: torch.Tensor) -> None:
+    """Free host slots through the controller (``ctl.free_host``)."""
+    ctl.evict_host(host)
+
+
+def _new_controller(
+    device_pool: DeviceKVPool, host_pool: HostKVPool, tasks: TaskGroup, **kwargs: Any
+) -> TierController:
+    """The cache's controller, spawning into the cache's group (``TierController(..., tasks=tasks)``)."""
+    return TierController(device_pool, host_pool, **kwargs)
+
+
+def _on_loaded(handle: LoadHandle, fn: Callable[[], None]) -> None:
+    """Call ``fn`` once ``handle``'s load has settled, before any awaiter of it resumes
+    (``handle.add_done_callback``)."""
+    handle._future.add_done_callback(lambda _f: fn())
+
+
+class _RoomQueue:
+    """Tasks waiting for room in one pool, served first come, first served.
+
+    Only the task at the head of the queue tries to take room (evicting for
+    it); the others wait behind it. Nothing polls: a waiter sleeps until
+    `wake` is called, by every event that may release room and whenever a
+    waiter leaves the queue, or until its own deadline, which a loop timer
+    marks by waking the queue once. The cache keeps one queue for device
+    room and one for host room.
+    """
+
+    def __init__(self) -> None:
+        self._tickets: deque[object] = deque()
+        self._event = asyncio.Event()
+
+    def __len__(self) -> int:
+        """Tasks waiting, the head included."""
+        return len(self._tickets)
+
+    def wake(self) -> None:
+        """Let every waiter look again (nothing happens when none waits)."""
+        if self._tickets:
+            event, self._event = self._event, asyncio.Event()
+            event.set()
+
+    async def serve(
+        self, attempt: Callable[[], Awaitable[_T | None]], deadline: float
+    ) -> _T | None:
+        """Wait for this task's turn, then run ``attempt`` whenever room may have appeared.
+
+        Args:
+            attempt: takes the room and returns what it took, or ``None`` to
+                wait for the next wake; it may raise to give up.
+            deadline: the ``loop.time()`` at which waiting stops.
+
+        Returns:
+            ``attempt``'s first result, or ``None`` once the deadline has passed.
+            Cancelling the caller takes it out of the queue, holding nothing.
+        """
+        loop = asyncio.get_running_loop()
+        ticket = object()
+        self._tickets.append(ticket)
+        timer = loop.call_at(deadline, self.wake)
+        try:
+            while True:
+                event = self._event  # taken before the attempt: a wake during it is not lost
+                if self._tickets[0] is ticket:
+                    got = await attempt()
+                    if got is not None:
+                        return got
+                if loop.time() >= deadline:
+                    return None
+                await event.wait()
+        finally:
+            timer.cancel()
+            self._tickets.remove(ticket)
+            self.wake()  # the next in line may go now
+
+
+@dataclass(slots=True)
+class _EvictionPass:
+    """What one synchronous pass over the device LRU candidates did."""
+
+    freed: int = 0
+    #: Write backs it started: once they land, the next pass evicts their nodes.
+    writes: list[tuple[Node, CopyAck]] = field(default_factory=list)
+    #: The first node that could not be written back for want of host room.
+    homeless: Node | None = None
 
 
 @dataclass(slots=True)
@@ -204,17 +322,17 @@ class TierCache(AsyncResource):
         # Device pages an open request got from `Request.alloc` and still
         # owns: only that request may commit or free them.
         self._request_pages = np.zeros(0, dtype=np.bool_)
-        # Tasks waiting for device room, first come first served; the event
-        # is set (and replaced) whenever room may have appeared.
-        self._room_queue: deque[object] = deque()
-        self._room_event = asyncio.Event()
-        # Tasks waiting for host room (`_host_room`), first come first served;
-        # woken by the same event. Nodes whose write-through waits for it.
-        self._host_queue: deque[object] = deque()
+        # Tasks waiting for device room and for host room (`_RoomQueue`);
+        # `_notify_room` wakes both. Nodes whose write-through waits for host room.
+        self._device_queue = _RoomQueue()
+        self._host_queue = _RoomQueue()
         self._deferred_writes: set[int] = set()
         self._backups: set[BackupOperation] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._error: BaseException | None = None
+        #: The background tasks of the cache, the controller and its storage tier.
+        self.tasks = TaskGroup("cache")
+        # The cache's own tasks among them (the storage tier's run until detach).
+        self._own: set[asyncio.Task[Any]] = set()
+        self._forget_settle: Callable[[], None] = lambda: None
         self._open_requests = 0
 
     # -- lifecycle --------------------------------------------------------------
@@ -265,11 +383,11 @@ class TierCache(AsyncResource):
             dev, host = await asyncio.to_thread(build)
         except (RuntimeError, MemoryError) as e:  # torch's out-of-memory is a RuntimeError
             raise CapacityError(f"cannot allocate the KV pools: {e}") from e
-        ctl = TierController(
+        ctl = _new_controller(
             dev,
             host,
+            self.tasks,
             device_allocator=self._device_allocator,
-            write_policy=cfg.write_policy,
             model=cfg.model,
             tp_rank=cfg.tp_rank,
             tp_size=cfg.tp_size,
@@ -284,6 +402,7 @@ class TierCache(AsyncResource):
             await ctl.aclose()
             raise
         self._controller = ctl
+        self._forget_settle = _ctl_on_settle(ctl, self._notify_room)
         self._index_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
         self._request_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
         self.state = CacheState.OPEN
@@ -293,41 +412,49 @@ class TierCache(AsyncResource):
         await self.open()
 
     async def aclose(self) -> None:
-        """Wait for copies and backups, stop storage, close the controller. Idempotent."""
+        """Wait for copies and backups, stop storage, close the controller. Idempotent.
+
+        Raises:
+            StateError: a background task failed and its failure was not
+                raised by an earlier call (the cache is closed all the same).
+        """
         if self.state is not CacheState.OPEN:
             self.state = CacheState.CLOSED
             return
         ctl = self.controller
         self.state = CacheState.CLOSED
+        self._notify_room()  # waiters see the cache closed
         try:
-            await self._drain_tasks()
+            await self._join_own()
         finally:
-            await ctl.aclose()
+            self._forget_settle()
+            try:
+                await ctl.aclose()
+            finally:
+                await self.tasks.aclose()
 
-    async def _drain_tasks(self) -> None:
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+    async def _join_own(self) -> None:
+        """Wait for the cache's own background tasks (not the storage tier's), those started meanwhile too."""
+        while self._own:
+            await asyncio.wait(set(self._own))
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-
-        def done(t: asyncio.Task[Any]) -> None:
-            self._tasks.discard(t)
-            if not t.cancelled() and t.exception() is not None and self._error is None:
-                self._error = t.exception()
-                logger.error("a cache task failed: %r", t.exception(), exc_info=t.exception())
-
-        task.add_done_callback(done)
-        return task
+    def _spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> None:
+        """Run ``coro`` in the cache's `TaskGroup` (a failure surfaces at the next call or close)."""
+        task = self.tasks.spawn(coro, what)
+        self._own.add(task)
+        task.add_done_callback(self._own.discard)
 
     def _check(self) -> TierController:
+        """The open controller, after settling finished loads and raising a background failure.
+
+        Raises:
+            StateError / ClosedError: the cache is not open.
+            StateError: a background task failed since the last call (raised once).
+        """
         ctl = self.controller
         if self._pending_loads:
             self._settle_loads()
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise StateError(f"a background task of the cache failed: {err!r}") from err
+        self.tasks.raise_failure()
         return ctl
 
     # -- storage ----------------------------------------------------------------
@@ -432,15 +559,13 @@ class TierCache(AsyncResource):
     ) -> _T:
         """Run ``take`` (synchronous: it allocates, or returns ``None``) once ``need()`` device slots can be had.
 
-        The one loop behind every device allocation that may wait. Waiters
-        are served in arrival order: only the head of the queue evicts and
-        takes; the others wait behind it. Each round evicts LRU nodes for the
-        shortfall (writing them back first where the policy needs it), then
-        waits until something releases room (a request ends, slots are
-        freed, a copy or load settles) or ``_ROOM_POLL_S`` passes.
+        Every device allocation that may wait goes through here: at once when
+        nobody waits and the room is free, else in the device `_RoomQueue`,
+        where the head evicts for its shortfall (`_make_device_room`) and
+        the others wait behind it.
 
         Args:
-            need: the slots still needed (re-read each round: a load-back
+            need: the slots still needed (re-read each turn: a load back
                 may shrink while it waits).
             take: the allocation itself.
             own: device slots the caller itself holds outside the index (a
@@ -449,50 +574,56 @@ class TierCache(AsyncResource):
         Raises:
             CapacityError: the timeout passed, or nothing else holds or moves
                 device slots, so waiting cannot help.
+            ClosedError: the cache was closed while the caller waited.
         """
-        if not self._room_queue:
+        if not self._device_queue:
             got = take()
             if got is not None:
                 return got
-        ctl = self.controller
-        loop = asyncio.get_running_loop()
         timeout = self.config.alloc_timeout_s
-        deadline = loop.time() + timeout
-        ticket = object()
-        self._room_queue.append(ticket)
-        try:
-            while True:
-                if self._room_queue[0] is ticket:
-                    got = take()
-                    if got is not None:
-                        return got
-                    short = need() - ctl.device_allocator.available
-                    # Write-backs wait for host room only within this deadline.
-                    host_wait = max(0.0, deadline - loop.time())
-                    if short > 0 and await self._evict_device(short, host_wait) > 0:
-                        continue  # freed some: try again at once
-                    got = take()
-                    if got is not None:
-                        return got
-                    if self._nothing_will_free(own):
-                        raise CapacityError(
-                            f"cannot find {need()} device slots: "
-                            f"{ctl.device_allocator.available} free, the rest locked"
-                        )
-                left = deadline - loop.time()
-                if left <= 0:
-                    raise CapacityError(
-                        f"no room for {need()} device slots within alloc_timeout_s={timeout}: "
-                        f"{ctl.device_allocator.available} free, the rest held by others"
-                    )
-                event = self._room_event
-                try:
-                    await asyncio.wait_for(event.wait(), min(left, _ROOM_POLL_S))
-                except TimeoutError:
-                    pass
-        finally:
-            self._room_queue.remove(ticket)
-            self._notify_room()  # the next in line may go now
+        deadline = asyncio.get_running_loop().time() + timeout
+
+        async def attempt() -> _T | None:
+            return await self._make_device_room(need, take, own, deadline)
+
+        got = await self._device_queue.serve(attempt, deadline)
+        if got is None:
+            raise CapacityError(
+                f"no room for {need()} device slots within alloc_timeout_s={timeout}: "
+                f"{self.controller.device_allocator.available} free, the rest held by others"
+            )
+        return got
+
+    async def _make_device_room(
+        self,
+        need: Callable[[], int],
+        take: Callable[[], _T | None],
+        own: int,
+        deadline: float,
+    ) -> _T | None:
+        """One turn at the head of the device queue: take, evicting LRU nodes while that frees room.
+
+        Returns:
+            What ``take`` returned, or ``None`` when others hold the room (wait for a wake).
+
+        Raises:
+            CapacityError: nothing else holds or moves device slots.
+            ClosedError: the cache is closed.
+        """
+        if self.state is not CacheState.OPEN:
+            raise ClosedError("the cache was closed while waiting for device room")
+        alloc = self.controller.device_allocator
+        while (got := take()) is None:
+            short = need() - alloc.available
+            if short <= 0 or not await self._evict_device(short, deadline):
+                break
+        if got is not None:
+            return got
+        if self._nothing_will_free(own):
+            raise CapacityError(
+                f"cannot find {need()} device slots: {alloc.available} free, the rest locked"
+            )
+        return None
 
     def _nothing_will_free(self, own: int) -> bool:
         """Whether no other request, copy, load or task can release device slots.
@@ -507,18 +638,21 @@ class TierCache(AsyncResource):
         return (
             others_open <= 0
             and outside <= max(own, 0)
-            and not ctl._inflight
-            and not ctl._write_queue
+            and not _ctl_busy(ctl)
             and not self._pending_loads
-            and len(self._tasks) <= len(self._deferred_writes)  # those free no device room
-            and len(self._room_queue) <= 1
+            and len(self._own) <= len(self._deferred_writes)  # those free no device room
+            and len(self._device_queue) <= 1
         )
 
     def _notify_room(self) -> None:
-        """Wake the tasks waiting for device or host room (they check again)."""
-        if self._room_queue or self._host_queue:
-            event, self._room_event = self._room_event, asyncio.Event()
-            event.set()
+        """Wake the tasks waiting for device or host room: room may have appeared.
+
+        Called on every event that may release room: a request ends, slots
+        are freed, an index lock or pin is dropped, a copy, load or backup
+        settles, a prefetch ends, the cache closes.
+        """
+        self._device_queue.wake()
+        self._host_queue.wake()
 
     def free_device(self, indices: torch.Tensor, *, ready: Ready = None) -> None:
         """Return device slots from `alloc_device` that were not inserted.
@@ -546,7 +680,7 @@ class TierCache(AsyncResource):
             raise InvalidInputError(
                 "free_device: some of these slots belong to an open request (it frees them)"
             )
-        ctl.evict_device(dev, ready=ready_ev)
+        _ctl_free_device(ctl, dev, ready=ready_ev)
         self._notify_room()
 
     def _pages(self, dev: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
@@ -572,77 +706,156 @@ class TierCache(AsyncResource):
             InvalidInputError: ``num_tokens`` is not a non-negative int.
         """
         self._check()
-        return await self._evict_device(check_count(num_tokens), self.config.alloc_timeout_s)
+        n = check_count(num_tokens)
+        deadline = asyncio.get_running_loop().time() + self.config.alloc_timeout_s
+        return await self._evict_device(n, deadline)
 
-    async def _evict_device(self, num_tokens: int, host_wait_s: float) -> int:
-        """`evict_device`; a write back waits up to ``host_wait_s`` for host room."""
-        ctl = self._check()
+    async def _evict_device(self, num_tokens: int, deadline: float) -> int:
+        """`evict_device`: the one loop that makes device room. Returns slots freed.
+
+        Each round is a synchronous pass over fresh LRU candidates
+        (`_eviction_pass`: no await inside it, so no candidate goes stale),
+        then at most one wait:
+
+        1. the pass frees every candidate that has a host copy, and starts a
+           write back of each that has none, where host room can be made;
+        2. if it started write backs, wait for their copies: the next pass
+           evicts those nodes (or drops them, if the copy failed);
+        3. else, if a node found no host room, wait (once per node) for host
+           room that copies in flight hold, up to ``deadline``; if none comes,
+           the next pass drops that node when nothing below it needs it;
+        4. else nothing more can be freed.
+
+        Every round starts a write back, waits once for a node, or gives a
+        node up: the loop ends.
+        """
+        loop = asyncio.get_running_loop()
         freed = 0
-        if num_tokens == 0:
-            return 0
-        for node in self.index.evict_device_candidates(num_tokens):
-            if node.device_indices is None or node.lock_ref or node.parent is None:
-                continue
-            if any(c.device_indices is not None for c in node.children.values()):
-                continue
-            if (
-                not node.on_host
-                and not await self._write_back(node, host_wait_s)
-                # Written meanwhile by another task (a write-through that
-                # waited for host room): evicted below once it has landed.
-                and not (node.on_host or node.write_in_flight)
-            ):
-                if (
-                    node.children
-                    or node.lock_ref
-                    or node.host_pin
-                    or node.device_indices is None
-                    or node.parent is None
-                ):
-                    continue  # its host-only children need its pages: keep it
-                dev = node.device_indices
-                self.index.remove(node)
-                self._set_index_pages(dev, False)
-                ctl.evict_device(dev)
-                freed += dev.numel()
-                self._stats.device_evictions += 1
-                self._stats.device_evicted_tokens += dev.numel()
-                continue
-            if (
-                not node.on_host
-                or node.write_in_flight
-                or node.lock_ref
-                or node.device_indices is None
-                or node.parent is None
-            ):
-                continue
-            if any(c.device_indices is not None for c in node.children.values()):
-                continue
-            dev = self.index.mark_device_evicted(node)
-            self._set_index_pages(dev, False)
-            ctl.evict_device(dev)
-            freed += dev.numel()
-            self._stats.device_evictions += 1
-            self._stats.device_evicted_tokens += dev.numel()
+        failed: set[int] = set()  # nodes no write back will save: dropped, not retried
+        waited: set[int] = set()  # nodes host room was waited for (once each)
+        granted = False  # host room was just made for a write back: it may go first
+        while freed < num_tokens:
+            step = self._eviction_pass(num_tokens - freed, failed, granted)
+            freed += step.freed
+            homeless, granted = step.homeless, False
+            if step.writes:
+                await self._wait_write_backs(step.writes, failed)
+            elif homeless is None:
+                break
+            elif homeless.id in waited:
+                failed.add(homeless.id)  # room was made for it, yet it could not be written
+            else:
+                waited.add(homeless.id)
+                granted = await self._host_room(homeless.num_tokens, deadline - loop.time())
+                if not granted:
+                    failed.add(homeless.id)
         return freed
 
-    async def _write_back(self, node: Node, host_wait_s: float) -> bool:
-        """Copy ``node`` to host (making room, waiting up to ``host_wait_s`` for it) and wait, before it leaves the device."""
+    def _eviction_pass(self, num_tokens: int, failed: set[int], granted: bool) -> _EvictionPass:
+        """Evict what can leave the device now, LRU first; start write backs for the rest.
+
+        The candidates come from the index in an order where a node follows
+        its device-resident children. A node whose child stays on the device
+        stays too. A node whose child leaves once its write back lands is
+        written back as well (a pin that child's storage backup takes could
+        keep a device-only parent from ever being offered again), and leaves
+        in a later pass.
+        """
         ctl = self.controller
-        if not await self._host_room(node.num_tokens, host_wait_s):
-            return False
+        out = _EvictionPass()
+        stays: set[int] = set()  # a child stays on the device
+        waits: set[int] = set()  # a child leaves once its write back lands
+        for node in self.index.evict_device_candidates(num_tokens):
+            if node.id in stays:
+                fate = "stays"
+            elif node.id not in waits and node.on_host:
+                out.freed += self._leave_device(ctl, node)
+                continue
+            else:
+                fate = self._save_or_drop(ctl, node, failed, granted, out)
+                if fate == "gone":
+                    continue
+            assert node.parent is not None
+            (stays if fate == "stays" else waits).add(node.parent.id)
+        return out
+
+    def _save_or_drop(
+        self,
+        ctl: TierController,
+        node: Node,
+        failed: set[int],
+        granted: bool,
+        out: _EvictionPass,
+    ) -> str:
+        """Decide the fate of a candidate that cannot simply leave the device now.
+
+        Returns:
+            ``"gone"`` (dropped: its KV is lost), ``"leaving"`` (its host
+            copy exists or is being written: it leaves in a later pass) or
+            ``"stays"``.
+        """
+        if node.on_host:
+            return "leaving"  # waits for a child's write back
+        if node.id in failed:
+            dropped = self._drop_device_only(ctl, node)
+            out.freed += dropped
+            return "gone" if dropped else "stays"
+        ack = self._start_write_back(ctl, node, granted)
+        if ack is not None:
+            out.writes.append((node, ack))
+            return "leaving"
+        if out.homeless is None:
+            out.homeless = node
+        return "stays"
+
+    def _leave_device(self, ctl: TierController, node: Node) -> int:
+        """Free the device copy of a node that has a host copy; returns slots freed."""
+        dev = self.index.mark_device_evicted(node)
+        self._set_index_pages(dev, False)
+        _ctl_free_device(ctl, dev)
+        self._stats.device_evictions += 1
+        self._stats.device_evicted_tokens += dev.numel()
+        return int(dev.numel())
+
+    def _drop_device_only(self, ctl: TierController, node: Node) -> int:
+        """Drop a device-only node (its KV is lost) unless host-only children or a pin need it."""
+        if node.children or node.host_pin:
+            return 0
+        dev = node.device_indices
+        assert dev is not None
+        self.index.remove(node)
+        self._set_index_pages(dev, False)
+        _ctl_free_device(ctl, dev)
+        self._stats.device_evictions += 1
+        self._stats.device_evicted_tokens += dev.numel()
+        return int(dev.numel())
+
+    def _start_write_back(self, ctl: TierController, node: Node, granted: bool) -> CopyAck | None:
+        """Start copying a device-only node to host, if host room can be had now (no waiting).
+
+        ``granted``: this task was just served by the host queue; else it
+        does not go ahead of tasks waiting there.
+        """
+        if self._host_queue and not granted:
+            return None
+        if not self._make_host_room(node.num_tokens):
+            return None
         ack = self._write_node(ctl, node)
-        if ack is None:
-            return False
-        self._stats.write_backs += 1
-        try:
-            await ack
-        except Exception as e:
-            # The copy has settled and `_write_done` (its first callback) has
-            # dropped the host copy: the node is device-only, as before.
-            logger.warning("a write back of %d tokens failed: %r", node.num_tokens, e)
-            return False
-        return node.on_host and not node.write_in_flight
+        if ack is not None:
+            self._stats.write_backs += 1
+        return ack
+
+    @staticmethod
+    async def _wait_write_backs(writes: list[tuple[Node, CopyAck]], failed: set[int]) -> None:
+        """Wait for write backs to land; a node whose copy failed goes into ``failed``."""
+        for node, ack in writes:
+            try:
+                await ack
+            except Exception as e:
+                # The copy has settled and `_write_done` (its first callback)
+                # has dropped the host copy: the node is device-only, as before.
+                logger.warning("a write back of %d tokens failed: %r", node.num_tokens, e)
+                failed.add(node.id)
 
     def _make_host_room(self, num_tokens: int) -> bool:
         """Evict LRU host-only nodes until ``num_tokens`` host slots are free; whether they are."""
@@ -658,8 +871,7 @@ class TierCache(AsyncResource):
         load back (it locks its nodes)."""
         ctl = self.controller
         return bool(
-            ctl._inflight
-            or ctl._write_queue
+            _ctl_busy(ctl)
             or self._backups
             or self._pending_loads
             or (ctl.storage is not None and ctl.storage.busy)
@@ -671,9 +883,9 @@ class TierCache(AsyncResource):
         Host room that no copy, backup, prefetch or load holds is made by
         evicting LRU host-only nodes, at once. When that is not enough and
         something in flight may release host room (`_host_will_free`), the
-        caller waits for it: first come, first served (only the head of the
-        queue evicts), cancellable (a cancelled waiter takes nothing). With
-        ``wait_s <= 0`` it only tries once, without queueing.
+        caller waits in the host `_RoomQueue`: first come, first served (only
+        the head evicts), cancellable (a cancelled waiter takes nothing).
+        With ``wait_s <= 0`` it only tries once, without queueing.
 
         Returns:
             Whether the room is free now; the caller allocates it before its
@@ -684,30 +896,16 @@ class TierCache(AsyncResource):
                 return True
             if wait_s <= 0 or num_tokens > self.controller.host_allocator.num_slots:
                 return False
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        ticket = object()
-        self._host_queue.append(ticket)
-        try:
-            while True:
-                if self.state is not CacheState.OPEN:
-                    return False
-                if self._host_queue[0] is ticket:
-                    if self._make_host_room(num_tokens):
-                        return True
-                    if not self._host_will_free():
-                        return False
-                left = deadline - loop.time()
-                if left <= 0:
-                    return False
-                event = self._room_event
-                try:
-                    await asyncio.wait_for(event.wait(), min(left, _ROOM_POLL_S))
-                except TimeoutError:
-                    pass
-        finally:
-            self._host_queue.remove(ticket)
-            self._notify_room()  # the next in line may go now
+
+        async def attempt() -> bool | None:
+            if self.state is not CacheState.OPEN:
+                return False
+            if self._make_host_room(num_tokens):
+                return True
+            return None if self._host_will_free() else False
+
+        deadline = asyncio.get_running_loop().time() + wait_s
+        return bool(await self._host_queue.serve(attempt, deadline))
 
     async def evict_host(self, num_tokens: int) -> int:
         """Drop LRU host-only nodes (not pinned or locked) to free ``num_tokens`` host slots.
@@ -731,7 +929,7 @@ class TierCache(AsyncResource):
             if ctl.ack_busy("host", host):
                 continue
             self.index.remove(node)
-            ctl.evict_host(host)
+            _ctl_free_host(ctl, host)
             freed += host.numel()
             self._stats.host_evictions += 1
             self._stats.host_evicted_tokens += host.numel()
@@ -792,54 +990,16 @@ class TierCache(AsyncResource):
         ready_ev = ctl.ready_event(ready, "insert")
         toks = self._tokens(tokens)
         self._check_extra_key(extra_key)
-        ps = self.layout.page_size
-        slots = check_slot_tensor(device_indices, "device_indices", ctl.device_pool.num_slots)
-        if slots.numel() != len(toks):
-            raise InvalidInputError(
-                f"device_indices has {slots.numel()} slots for {len(toks)} tokens: one per token"
-            )
-        n = len(toks) // ps * ps
-        dev = check_slot_indices(slots[:n], ps, ctl.device_pool.num_slots, "device_indices")
+        dev = self._insert_slots(ctl, toks, device_indices)
+        n = int(dev.numel())
         # The cached part may still be landing: wait, then decide on the
         # index as it is after the wait (no await from here on).
         await self._wait_loads_under(dev)
         ctl = self._check()
         cached = self.index.match_prefix(toks[:n], extra_key, touch=False).device_indices
-        k = int(cached.numel())
-        pages = self._pages(dev)
-        if n and pages.size != np.unique(pages).size:
-            raise InvalidInputError("device_indices lists a page twice")
-        mine = dev[:k].view(-1, ps)
-        same = (mine == cached.view(-1, ps)).all(dim=1) if k else torch.zeros(0, dtype=torch.bool)
-        fresh = torch.cat([dev[:k].view(-1, ps)[~same].reshape(-1), dev[k:]])
-        if fresh.numel():
-            if not ctl.device_allocator.is_allocated(fresh, checked=True):
-                raise InvalidInputError(
-                    "device_indices include slots that are not allocated (use alloc_device)"
-                )
-            if bool(self._index_pages[self._pages(fresh)].any()):
-                raise InvalidInputError(
-                    "device_indices include slots that hold other cached KV of the index"
-                )
-            held = self._request_pages[self._pages(fresh)]
-            if owner is not None and owner.numel():
-                held &= ~np.isin(self._pages(fresh), self._pages(owner))
-            if bool(held.any()):
-                raise InvalidInputError(
-                    "device_indices include slots an open request owns (commit them through it)"
-                )
-            if ctl.ack_busy("device", fresh):
-                raise InvalidInputError("device_indices include slots with a copy in flight")
+        same = self._check_new_slots(ctl, dev, cached, owner)
         result = self.index.insert(toks[:n], dev, extra_key)
-        if result.prefix_len:
-            # Free the duplicates, but never the index's own slots.
-            dup = dev[: result.prefix_len].view(-1, ps)
-            differ = ~same[: result.prefix_len // ps]
-            if bool(differ.any()):
-                # The producer may still be writing them: the next load waits.
-                ctl.fence_device_reads(ready_ev)
-                ctl.device_allocator.free(dup[differ].reshape(-1), checked=True)
-                self._notify_room()
+        self._free_duplicates(ctl, dev[: result.prefix_len], same, ready_ev)
         self._set_index_pages(dev[result.prefix_len :], True)
         if owner is not None and owner.numel():
             self._request_pages[self._pages(owner)] = False
@@ -849,6 +1009,83 @@ class TierCache(AsyncResource):
             self._write_node(ctl, node, ready=ready_ev, defer=True)
         # Reattached host-only nodes already have a host copy: nothing to write.
         return result.prefix_len
+
+    def _insert_slots(
+        self, ctl: TierController, toks: list[int], device_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """The whole-page slots of an insert, checked: one per token, page-aligned, no page twice.
+
+        Raises:
+            InvalidInputError: anything else.
+        """
+        ps = self.layout.page_size
+        slots = check_slot_tensor(device_indices, "device_indices", ctl.device_pool.num_slots)
+        if slots.numel() != len(toks):
+            raise InvalidInputError(
+                f"device_indices has {slots.numel()} slots for {len(toks)} tokens: one per token"
+            )
+        n = len(toks) // ps * ps
+        dev = check_slot_indices(slots[:n], ps, ctl.device_pool.num_slots, "device_indices")
+        pages = self._pages(dev)
+        if n and pages.size != np.unique(pages).size:
+            raise InvalidInputError("device_indices lists a page twice")
+        return dev
+
+    def _check_new_slots(
+        self,
+        ctl: TierController,
+        dev: torch.Tensor,
+        cached: torch.Tensor,
+        owner: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Check the slots of an insert that are not the cached prefix's own.
+
+        Returns:
+            Per cached page, whether ``dev`` names the index's own slots for it.
+
+        Raises:
+            InvalidInputError: new slots not allocated, held by the index or
+                by an open request other than ``owner``, or with a copy in flight.
+        """
+        ps = self.layout.page_size
+        k = int(cached.numel())
+        mine = dev[:k].view(-1, ps)
+        same = (mine == cached.view(-1, ps)).all(dim=1) if k else torch.zeros(0, dtype=torch.bool)
+        fresh = torch.cat([mine[~same].reshape(-1), dev[k:]])
+        if not fresh.numel():
+            return same
+        if not ctl.device_allocator.is_allocated(fresh, checked=True):
+            raise InvalidInputError(
+                "device_indices include slots that are not allocated (use alloc_device)"
+            )
+        if bool(self._index_pages[self._pages(fresh)].any()):
+            raise InvalidInputError(
+                "device_indices include slots that hold other cached KV of the index"
+            )
+        held = self._request_pages[self._pages(fresh)]
+        if owner is not None and owner.numel():
+            held &= ~np.isin(self._pages(fresh), self._pages(owner))
+        if bool(held.any()):
+            raise InvalidInputError(
+                "device_indices include slots an open request owns (commit them through it)"
+            )
+        if ctl.ack_busy("device", fresh):
+            raise InvalidInputError("device_indices include slots with a copy in flight")
+        return same
+
+    def _free_duplicates(
+        self, ctl: TierController, dup: torch.Tensor, same: torch.Tensor, ready: Ready
+    ) -> None:
+        """Free the slots of an insert's already-cached part, but never the index's own."""
+        if not dup.numel():
+            return
+        ps = self.layout.page_size
+        differ = ~same[: dup.numel() // ps]
+        if bool(differ.any()):
+            # The producer may still be writing them: the next load waits.
+            ctl.fence_device_reads(ready)
+            ctl.device_allocator.free(dup.view(-1, ps)[differ].reshape(-1), checked=True)
+            self._notify_room()
 
     async def _wait_loads_under(self, dev: torch.Tensor) -> None:
         """Wait for the loads in flight into any of ``dev``; raise if one failed.
@@ -931,7 +1168,7 @@ class TierCache(AsyncResource):
             finally:
                 self._deferred_writes.discard(node.id)
 
-        self._spawn(write())
+        self._spawn(write(), "a deferred write-through")
 
     def _write_done(self, wid: int, ack: CopyAck) -> None:
         ctl = self._controller
@@ -963,17 +1200,18 @@ class TierCache(AsyncResource):
 
         async def wait() -> None:
             try:
-                await op
+                await op.wait()
             finally:
                 self._backups.discard(op)
                 if node.parent is not None or node.host_pin:
                     self.index.unpin_host(node)
                 if op.succeeded:
-                    node.backuped_storage = True
+                    if node.parent is not None:
+                        self.index.mark_backed_up(node)
                     self._stats.storage_backups += 1
                 self._notify_room()  # an unpinned host-only node may be evicted now
 
-        self._spawn(wait())
+        self._spawn(wait(), "a storage backup's bookkeeping")
 
     async def backup_to_storage(self) -> int:
         """Back up every host-resident node not yet in storage; wait for it. Returns nodes written."""
@@ -1021,21 +1259,9 @@ class TierCache(AsyncResource):
         ctl = self._check()
         if not isinstance(match, CacheMatch):
             raise InvalidInputError(f"match must be a CacheMatch, got {type(match).__name__}")
-        if match.host_tokens == 0 and fresh:
-            return match.device_indices, None
         if match.host_tokens == 0:
-            # Its slots are only the prefix's while the index still holds
-            # them there: a match from before an eviction or a flush names
-            # slots that may be free or another prefix's by now.
-            node = match.index.last_device_node
-            try:
-                now = self.index.match_prefix(
-                    self.index.prefix_tokens(node), match.extra_key, touch=False
-                ).device_indices
-            except StateError as e:
-                raise StateError("the index changed since this match: match again") from e
-            if not torch.equal(now, match.device_indices):
-                raise StateError("the index changed since this match: match again")
+            if not fresh:
+                self._check_device_match(match)
             return match.device_indices, None
         target = match.index.last_host_node
         try:
@@ -1046,29 +1272,8 @@ class TierCache(AsyncResource):
         def need() -> int:
             return sum(n.num_tokens for n in self.index.load_path(target))
 
-        def take() -> tuple[CopyAck, LoadHandle] | tuple[None, None] | None:
-            path = self.index.load_path(target)
-            if not path:  # loaded by a concurrent call meanwhile
-                return None, None
-            host = torch.cat([n.host_indices for n in path if n.host_indices is not None])
-            ack = ctl.submit_load(host, node_id=target.id, track=False)
-            if ack is None:
-                return None
-            handle = ctl.start_loading()
-            assert handle is not None
-            anchor = path[0].parent
-            assert anchor is not None
-            self.index.attach_device(target, ack.device_indices)
-            self._set_index_pages(ack.device_indices, True)
-            self._pending_loads[ack] = _PendingLoad(handle, ack.device_indices, anchor, target)
-            # On the handle's future, not the ack's: its callbacks run in
-            # order, so the rollback is done before any awaiter of the
-            # handle (or of a later request) sees the load end.
-            handle._future.add_done_callback(lambda _f: self._settle_loads())
-            return ack, handle
-
         try:
-            ack, handle = await self._take_room(need, take, own)
+            ack, handle = await self._take_room(need, lambda: self._start_load(ctl, target), own)
         except BaseException:
             self.index.unlock(target)
             self._notify_room()
@@ -1078,9 +1283,59 @@ class TierCache(AsyncResource):
         )
         if ack is None:
             self.index.unlock(target)
+            self._notify_room()
             return full.device_indices, None
         self._stats.loads_back += 1
         return full.device_indices, handle
+
+    def _check_device_match(self, match: CacheMatch) -> None:
+        """Check that the index still holds ``match``'s device prefix in the same slots.
+
+        Its slots are only the prefix's while the index still holds them
+        there: a match from before an eviction or a flush names slots that
+        may be free or another prefix's by now.
+
+        Raises:
+            StateError: it does not.
+        """
+        node = match.index.last_device_node
+        try:
+            now = self.index.match_prefix(
+                self.index.prefix_tokens(node), match.extra_key, touch=False
+            ).device_indices
+        except StateError as e:
+            raise StateError("the index changed since this match: match again") from e
+        if not torch.equal(now, match.device_indices):
+            raise StateError("the index changed since this match: match again")
+
+    def _start_load(
+        self, ctl: TierController, target: Node
+    ) -> tuple[CopyAck, LoadHandle] | tuple[None, None] | None:
+        """Start loading the host-only path down to ``target`` (synchronous: no await).
+
+        Returns:
+            The load's ack and handle; ``(None, None)`` when a concurrent call
+            loaded the path meanwhile; ``None`` when the device is full.
+        """
+        path = self.index.load_path(target)
+        if not path:  # loaded by a concurrent call meanwhile
+            return None, None
+        host = torch.cat([n.host_indices for n in path if n.host_indices is not None])
+        ack = ctl.submit_load(host, node_id=target.id, track=False)
+        if ack is None:
+            return None
+        handle = ctl.start_loading()
+        assert handle is not None
+        anchor = path[0].parent
+        assert anchor is not None
+        self.index.attach_device(target, ack.device_indices)
+        self._set_index_pages(ack.device_indices, True)
+        self._pending_loads[ack] = _PendingLoad(handle, ack.device_indices, anchor, target)
+        # On the handle, not the ack: its callbacks run before any awaiter of
+        # the handle (or of a later request) sees the load end, so the
+        # rollback of a failed load is done by then.
+        _on_loaded(handle, self._settle_loads)
+        return ack, handle
 
     def _settle_loads(self) -> None:
         """Settle every load back whose copy has ended: roll back a failed one, free orphans, unlock.
@@ -1092,11 +1347,12 @@ class TierCache(AsyncResource):
         if self._controller is None or self.state is not CacheState.OPEN:
             return
         for ack, pending in list(self._pending_loads.items()):
-            fut = pending.handle._future
-            if not fut.done():
+            handle = pending.handle
+            if not handle.done():
                 continue
             del self._pending_loads[ack]
-            if fut.cancelled() or fut.exception() is not None:
+            # A copy run inline may have failed before its ack is resolved.
+            if handle.layers.error is not None or (ack.done() and ack.failed()):
                 self._rollback_load(pending)
             self._free_when_settled(ack, pending.orphans)
             try:
@@ -1213,25 +1469,9 @@ class TierCache(AsyncResource):
             return 0
         start = match.index.matched_length
         parent = match.index.last_node
-        # Host room that copies in flight hold is waited for, except by a
-        # best-effort prefetch (it must not stall the request it serves) and
-        # under TP (every rank must reach the agreement in the same order).
-        if policy == "best_effort" or self._tp_group is not None:
-            wait = 0.0
-        elif policy == "timeout":
-            wait = min(self.config.prefetch_timeout(n), self.config.alloc_timeout_s)
-        else:
-            wait = self.config.alloc_timeout_s
         loop = asyncio.get_running_loop()
         began = loop.time()
-        if not parent.is_root:
-            self.index.lock(parent)  # nothing may evict it while we wait
-        try:
-            room = await self._host_room(n, wait)
-        finally:
-            if not parent.is_root:
-                self.index.unlock(parent)
-        host = ctl.host_allocator.alloc(n) if room else None
+        host = await self._prefetch_room(ctl, parent, n, self._prefetch_wait_s(policy, n))
         if host is None:
             # This rank cannot take part; with a TP group it still joins the
             # hit-count agreement (with 0), or the other ranks would block in it.
@@ -1239,22 +1479,52 @@ class TierCache(AsyncResource):
             return 0
         if not parent.is_root:
             self.index.pin_host(parent)
-        op = ctl.prefetch(request_id, host, toks[start : start + n], match.index.prior_hash)
+        wanted = toks[start : start + n]
+        op = ctl.prefetch(request_id, host, wanted, match.index.prior_hash)
         if op is None:
             ctl.host_allocator.free(host)
             if not parent.is_root:
                 self.index.unpin_host(parent)
+            self._notify_room()
             return 0
+        op.add_done_callback(lambda _op: self._notify_room())  # it freed its unfilled slots
         self._stats.prefetches += 1
-        settle = self._settle_prefetch(ctl, op, toks[start : start + n], parent, match.extra_key)
+        settle = self._settle_prefetch(ctl, op, wanted, parent, match.extra_key)
         try:
             await self._wait_policy(op, policy, n, spent=loop.time() - began)
         except BaseException:
             # Cancelled while waiting: finish on our own so the fetched pages
             # are kept (or freed) and nothing stays held.
-            self._spawn(settle)
+            self._spawn(settle, "a prefetch whose caller was cancelled")
             raise
         return await settle
+
+    def _prefetch_wait_s(self, policy: str, num_tokens: int) -> float:
+        """How long a prefetch under ``policy`` waits for host room that copies in flight hold.
+
+        A best-effort prefetch does not wait (it must not stall the request
+        it serves), nor does any under TP (every rank must reach the
+        agreement in the same order).
+        """
+        if policy == "best_effort" or self._tp_group is not None:
+            return 0.0
+        if policy == "timeout":
+            return min(self.config.prefetch_timeout(num_tokens), self.config.alloc_timeout_s)
+        return self.config.alloc_timeout_s
+
+    async def _prefetch_room(
+        self, ctl: TierController, parent: Node, num_tokens: int, wait_s: float
+    ) -> torch.Tensor | None:
+        """Host slots for a prefetch under ``parent``, waiting up to ``wait_s`` for room; ``None`` if none."""
+        if not parent.is_root:
+            self.index.lock(parent)  # nothing may evict it while we wait
+        try:
+            room = await self._host_room(num_tokens, wait_s)
+        finally:
+            if not parent.is_root:
+                self.index.unlock(parent)
+                self._notify_room()
+        return ctl.host_allocator.alloc(num_tokens) if room else None
 
     async def _settle_prefetch(
         self,
@@ -1270,6 +1540,7 @@ class TierCache(AsyncResource):
         finally:
             if not parent.is_root and parent.host_pin:
                 self.index.unpin_host(parent)
+                self._notify_room()
         if done == 0:
             return 0
         got = op.host_indices[:done]
@@ -1281,8 +1552,9 @@ class TierCache(AsyncResource):
         )
         if res.prefix_len:
             ctl.host_allocator.free(got[: res.prefix_len])
+            self._notify_room()
         if res.node is not None:
-            res.node.backuped_storage = True
+            self.index.mark_backed_up(res.node)
         # Pages another request cached meanwhile are counted where they were found.
         self._stats.tokens_storage_hit += done - res.prefix_len
         return done
@@ -1292,15 +1564,14 @@ class TierCache(AsyncResource):
     ) -> None:
         """Wait for ``op`` as ``policy`` says; ``spent``: seconds the timeout already used."""
         if policy == "wait_complete":
-            await op
+            await op.wait()
         elif policy == "timeout":
-            try:
-                await asyncio.wait_for(
-                    asyncio.shield(op._done),
-                    max(0.0, self.config.prefetch_timeout(num_tokens) - spent),
-                )
-            except TimeoutError:
-                pass
+            # The deadline stops the waiting only: `op.wait` is shielded.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(
+                    max(0.0, self.config.prefetch_timeout(num_tokens) - spent)
+                ):
+                    await op.wait()
         else:  # best_effort: let the query and what IO is ready run, then take it
             await asyncio.sleep(0)
 
@@ -1380,16 +1651,15 @@ class TierCache(AsyncResource):
         ctl = self._check()
         while True:
             await ctl.wait_idle()
-            await self._drain_tasks()
+            await self._join_own()
             if ctl.storage is not None:
                 await ctl.storage.wait_idle()
             # Completions are delivered by callbacks scheduled on the loop:
             # let them run, then check nothing new started.
             await asyncio.sleep(0)
             if (
-                not self._tasks
-                and not ctl._inflight
-                and not ctl._write_queue
+                not self._own
+                and not _ctl_busy(ctl)
                 and not self.index.pending_writes()
                 and (ctl.storage is None or not ctl.storage.busy)
             ):
@@ -1631,6 +1901,6 @@ class Request:
         for slots in self._owned:
             if slots.numel():
                 cache._request_pages[cache._pages(slots)] = False
-                ctl.evict_device(slots)
+                _ctl_free_device(ctl, slots)
         self._owned = []
         cache._notify_room()

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from tiercache._resource import AsyncResource
+from tiercache._tasks import TaskGroup
 from tiercache.errors import (
     BackendUnavailableError,
     ClosedError,
@@ -259,6 +260,26 @@ def _wait_exception(fut: concurrent.futures.Future[None]) -> BaseException | Non
 
 def _mark_done(layers: LayerDoneSet, i: int) -> Callable[[], None]:
     return lambda: layers.mark_done(i)
+
+
+class _ControllerHostSlots:
+    """The controller's host pool as its storage tier sees it (`HostSlots`)."""
+
+    def __init__(self, controller: TierController) -> None:
+        self._ctl = controller
+        self.pool = controller.host_pool
+        self.allocator = controller.host_allocator
+        self.device = controller.device_pool.device
+
+    def hold(self, host_indices: torch.Tensor) -> None:
+        self._ctl._hold_host(host_indices, +1)
+
+    def release(self, host_indices: torch.Tensor) -> None:
+        self._ctl._hold_host(host_indices, -1)
+
+    def storage_failed(self, tier: StorageTier) -> None:
+        self._ctl.stats.storage_auto_detaches += 1
+        self._ctl._background(self._ctl.detach_storage_backend(tier=tier))
 
 
 class TierController(AsyncResource):
@@ -1072,7 +1093,8 @@ class TierController(AsyncResource):
             try:
                 self._check_open()
                 self.storage = StorageTier(
-                    self,
+                    _ControllerHostSlots(self),
+                    TaskGroup("storage tier"),
                     opened,
                     self.namespace,
                     self.storage_config,

@@ -19,9 +19,16 @@ When the operation ends (done, revoked, failed, terminated, detached) the
 slots past ``completed_tokens`` are freed by the tier, *after* every backend
 call that could still write into them has settled; the first
 ``completed_tokens`` slots belong to the caller once it has called
-`terminate_prefetch`. A backend call is never abandoned while it may still be
-writing: a timed-out call is cancelled and awaited, and backends guarantee
-(see `StorageBackend.batch_get`) that a cancelled call writes nothing more.
+`terminate_prefetch` (or `PrefetchOperation.take_completed`). A backend call
+is never abandoned while it may still be writing: a timed-out call is
+cancelled and awaited (`tiercache._aio.bounded`), and backends guarantee (see
+`StorageBackend.batch_get`) that a cancelled call writes nothing more.
+
+The tier sees its owner's host pool through `HostSlots` only: the pool, its
+allocator, and "hold"/"release" marks on the slots a storage call uses (the
+owner refuses to free a held slot). Its coroutines run in the owner's
+`TaskGroup`, whose one failure policy applies: a bug is logged once and
+raised once, at the owner's next call or at its close.
 """
 
 from __future__ import annotations
@@ -32,31 +39,34 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
+from tiercache._aio import bounded, finish
+from tiercache._checks import check_int
+from tiercache._tasks import TaskGroup
 from tiercache.errors import (
     BackendUnavailableError,
     ConfigError,
     InvalidInputError,
+    StateError,
     StorageError,
     StorageTimeoutError,
 )
 from tiercache.index.hashing import pack_tokens, page_hashes
-from tiercache.memory.allocator import check_slot_indices
+from tiercache.memory.allocator import PageAllocator, check_slot_indices
+from tiercache.memory.pools import HostKVPool
 from tiercache.observe import observe
 from tiercache.storage.base import PageKey, StorageBackend
 from tiercache.storage.keys import StorageNamespace
 
-if TYPE_CHECKING:
-    from tiercache.controller import TierController
-
 __all__ = [
     "FAULT_POLICIES",
     "BackupOperation",
+    "HostSlots",
     "PrefetchOperation",
     "PrefetchState",
     "StorageTier",
@@ -162,9 +172,7 @@ class StorageTierConfig:
             "backup_batch_pages",
             "fault_threshold",
         ):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {v!r}")
+            check_int(getattr(self, name), name, minimum=1, error=ConfigError)
         for name in ("timeout_s", "reconnect_backoff_s", "reconnect_backoff_max_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
@@ -195,13 +203,89 @@ class StorageTierStats:
     skipped_while_down: int = 0
 
 
-class PrefetchOperation:
+class HostSlots(Protocol):
+    """What a storage tier may do with its owner's host pool, and nothing more.
+
+    The owner (a `TierController`) keeps the books of which host slots are in
+    use by copies; the tier marks the slots its backend calls read or write
+    with `hold` while they run and `release` after, so the owner never frees
+    or reuses them meanwhile. Every member is used on the loop thread.
+    """
+
+    @property
+    def pool(self) -> HostKVPool:
+        """The pinned host pool (the tier reads and writes page views of it)."""
+        ...
+
+    @property
+    def allocator(self) -> PageAllocator:
+        """The host slot allocator (the tier frees the slots a prefetch did not fill)."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """The device pool's device (an NCCL TP group reduces on it)."""
+        ...
+
+    def hold(self, host_indices: torch.Tensor) -> None:
+        """Mark ``host_indices`` in use by a storage call: the owner may not free them."""
+        ...
+
+    def release(self, host_indices: torch.Tensor) -> None:
+        """Undo one `hold` of ``host_indices``."""
+        ...
+
+    def storage_failed(self, tier: StorageTier) -> None:
+        """The ``auto_detach`` fault policy gave up on ``tier``'s backend: the owner detaches it."""
+        ...
+
+
+def _leading_ok(flags: Sequence[object]) -> int:
+    """How many leading entries of a backend's per-page answer are true."""
+    n = 0
+    for ok in flags:
+        if not ok:
+            break
+        n += 1
+    return n
+
+
+class _Completion:
+    """The public completion of an operation that ends once (shared by prefetch and backup).
+
+    ``add_done_callback(fn)`` calls ``fn(op)`` on the loop once the operation
+    ends; callbacks added before anyone awaits it run, in the order added,
+    before any awaiter resumes. ``await op`` and ``await op.wait()`` wait for
+    the end; cancelling the waiting task does not stop the operation.
+    """
+
+    _done: asyncio.Future[None]
+
+    def done(self) -> bool:
+        """Whether the operation has ended."""
+        return self._done.done()
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(operation)`` on the loop once it has ended (soon, if it has)."""
+        self._done.add_done_callback(lambda _f: fn(self))
+
+    async def wait(self) -> None:
+        """Wait for the operation to end. Storage errors end it; they are not raised here."""
+        await asyncio.shield(self._done)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return asyncio.shield(self._done).__await__()
+
+
+class PrefetchOperation(_Completion):
     """One storage prefetch into host memory (SGLang's ``PrefetchOperation``).
 
     ``completed_tokens`` counts the leading tokens whose bytes are in host
     memory; it only grows, and stops growing once the operation is terminated.
-    ``await op`` waits for the operation to end (it never raises for storage
-    errors: those end it as `FAILED`, with what was completed kept).
+    ``await op`` (or ``await op.wait()``) waits for the operation to end (it
+    never raises for storage errors: those end it as `FAILED`, with what was
+    completed kept). Once it has ended, `take_completed` hands the completed
+    prefix to the caller.
     """
 
     def __init__(
@@ -211,6 +295,9 @@ class PrefetchOperation:
         token_ids: Sequence[int],
         prior_hash: str | None,
         done: asyncio.Future[None],
+        *,
+        page_size: int,
+        on_handover: Callable[[int], None] | None = None,
     ) -> None:
         self.request_id = request_id
         self.host_indices = host_indices
@@ -223,23 +310,39 @@ class PrefetchOperation:
         self.error: BaseException | None = None
         self.start_time = time.monotonic()
         self.end_time: float | None = None
+        self.page_size = page_size
         self._done = done
         self._frozen = False  # completed_tokens may no longer grow
         self._io_tasks: set[asyncio.Task[Any]] = set()
-        self._released = False
+        self._released = False  # the completed prefix was handed over
+        self._on_handover = on_handover
 
     @property
     def num_tokens(self) -> int:
         return int(self.host_indices.numel())
 
-    def done(self) -> bool:
-        return self._done.done()
-
     def is_terminated(self) -> bool:
         return self._frozen
 
-    def __await__(self) -> Generator[Any, None, None]:
-        return asyncio.shield(self._done).__await__()
+    def take_completed(self) -> tuple[int, list[str]]:
+        """Hand the completed prefix to the caller, once the operation has ended.
+
+        Idempotent: later calls return the same answer and hand nothing over again.
+
+        Returns:
+            ``(completed_tokens, hash_values[:completed pages])``. The caller
+            owns ``host_indices[:completed_tokens]`` from now on.
+
+        Raises:
+            StateError: the operation has not ended (await it, or terminate it, first).
+        """
+        if not self.done():
+            raise StateError("the prefetch has not ended: await it or terminate it first")
+        if not self._released:
+            self._released = True
+            if self._on_handover is not None:
+                self._on_handover(self.completed_tokens)
+        return self.completed_tokens, self.hash_values[: self.completed_tokens // self.page_size]
 
     def __repr__(self) -> str:
         return (
@@ -248,8 +351,8 @@ class PrefetchOperation:
         )
 
 
-class BackupOperation:
-    """One backup of host pages to storage. ``await op`` waits for it to end.
+class BackupOperation(_Completion):
+    """One backup of host pages to storage. ``await op`` (or ``op.wait()``) waits for it to end.
 
     ``completed_tokens`` counts the leading tokens stored (or found already
     stored); a storage error ends the backup early, keeping what was done.
@@ -269,9 +372,6 @@ class BackupOperation:
         self.error: BaseException | None = None
         self._done = done
 
-    def done(self) -> bool:
-        return self._done.done()
-
     @property
     def succeeded(self) -> bool:
         return (
@@ -280,25 +380,76 @@ class BackupOperation:
             and self.completed_tokens == self.host_indices.numel()
         )
 
-    def __await__(self) -> Generator[Any, None, None]:
-        return asyncio.shield(self._done).__await__()
-
     def __repr__(self) -> str:
         return f"BackupOperation({self.node_id!r}, completed={self.completed_tokens}/{self.host_indices.numel()})"
+
+
+class _ArrivedPrefix:
+    """The pages of one prefetch that have landed, and the contiguous prefix they make.
+
+    The hit pages are read in batches of ``step`` pages, several at once, in
+    any order. Batch ``i`` covers pages ``[i * step, min((i + 1) * step,
+    total))``. A batch that lands short (a missing page, a failed read) ends
+    the prefix inside it: batches after it no longer count, and those not
+    started yet are not worth reading (`stopped`).
+    """
+
+    def __init__(self, total_pages: int, step: int) -> None:
+        self.total_pages = total_pages
+        self.step = step
+        self.pages = 0  # the contiguous prefix of landed pages
+        self.stopped = False
+        self._landed: dict[int, int] = {}  # batch -> pages of it that landed
+        self._next = 0  # the first batch not yet counted into the prefix
+        self._ended = False
+
+    @property
+    def batches(self) -> int:
+        return -(-self.total_pages // self.step)
+
+    def bounds(self, batch: int) -> tuple[int, int]:
+        lo = batch * self.step
+        return lo, min(lo + self.step, self.total_pages)
+
+    def land(self, batch: int, pages: int) -> None:
+        """Batch ``batch`` has ``pages`` leading pages in place; grow the prefix over it."""
+        lo, hi = self.bounds(batch)
+        if pages < hi - lo:
+            self.stopped = True
+        self._landed[batch] = pages
+        while not self._ended and self._next in self._landed:
+            got = self._landed.pop(self._next)
+            lo, hi = self.bounds(self._next)
+            self.pages = lo + got
+            self._ended = got < hi - lo
+            self._next += 1
 
 
 class StorageTier:
     """Prefetch and backup between a host pool and one attached storage backend.
 
-    Owned by a `TierController` (``controller.storage``); created by
-    `TierController.attach_storage_backend` and stopped by
-    `TierController.detach_storage_backend`. Every method runs on the
-    controller's loop.
+    Created by `TierController.attach_storage_backend` and stopped by
+    `TierController.detach_storage_backend` (``controller.storage``). Every
+    method runs on the loop that created it.
+
+    Args:
+        slots: the owner's host pool and its slot books (`HostSlots`).
+        tasks: the owner's `TaskGroup`: the tier's coroutines run in it.
+        backend: the open storage backend.
+        namespace: the identity folded into every page key.
+        config: the tier's knobs.
+        owns_backend: close ``backend`` at `stop`.
+        tp_group: a ``torch.distributed`` group over the TP ranks (hit counts agree by MIN).
+        write_enabled: false on the TP ranks that do not write (MLA: rank 0 writes).
+
+    Raises:
+        ConfigError: an unusable ``tp_group``.
     """
 
     def __init__(
         self,
-        controller: TierController,
+        slots: HostSlots,
+        tasks: TaskGroup,
         backend: StorageBackend,
         namespace: StorageNamespace,
         config: StorageTierConfig,
@@ -307,7 +458,8 @@ class StorageTier:
         tp_group: Any = None,
         write_enabled: bool = True,
     ) -> None:
-        self.controller = controller
+        self.slots = slots
+        self.tasks = tasks
         self.backend = backend
         self.namespace = namespace
         self.config = config
@@ -315,19 +467,23 @@ class StorageTier:
         self.tp_group = tp_group
         self.write_enabled = write_enabled
         self.stats = StorageTierStats()
-        self.page_size = controller.layout.page_size
-        self.page_bytes = controller.layout.page_bytes
+        self.page_size = slots.pool.layout.page_size
+        self.page_bytes = slots.pool.layout.page_bytes
         self._loop = asyncio.get_running_loop()
         self._query_queue: asyncio.Queue[PrefetchOperation | _Abstain | None] = asyncio.Queue()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        # Work in flight, each with the task that runs it (none while queued for the query).
         self._ops: set[PrefetchOperation] = set()
+        self._loads: dict[PrefetchOperation, asyncio.Task[None]] = {}
+        self._backups: dict[BackupOperation, asyncio.Task[None]] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._io_slots = asyncio.Semaphore(config.io_concurrency)
         self._held_tokens = 0  # host tokens held by prefetches not yet handed over
         self._finished_backups: deque[BackupOperation] = deque()
         self._collective = None
         self._collective_device = torch.device("cpu")
         if tp_group is not None:
-            self._collective_device = collective_device(tp_group, controller.device_pool.device)
+            self._collective_device = collective_device(tp_group, slots.device)
             import concurrent.futures
 
             # Collectives must be issued in the same order on every rank: one thread.
@@ -338,25 +494,20 @@ class StorageTier:
         self._failures = 0  # consecutive failed backend calls
         self.down = False  # auto_reconnect: the backend is not called until a probe succeeds
         self._probe: asyncio.Task[None] | None = None
-        self._query_task = self._spawn(self._query_loop())
-        self.error: BaseException | None = None  # a bug that stopped a coroutine
+        self._query_task = tasks.spawn(self._query_loop(), "the storage query loop")
 
-    # -- task ownership -------------------------------------------------------
+    # -- work in flight ---------------------------------------------------------
 
-    def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
+    def _work_changed(self) -> None:
+        """Keep the idle event true to whether any prefetch or backup is running."""
+        if self._ops or self._backups:
+            self._idle.clear()
+        else:
+            self._idle.set()
 
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None and self.error is None:
-            self.error = exc
-            logger.error("a storage coroutine stopped on a bug: %r", exc, exc_info=exc)
+    def _add_op(self, op: PrefetchOperation) -> None:
+        self._ops.add(op)
+        self._work_changed()
 
     # -- helpers --------------------------------------------------------------
 
@@ -365,7 +516,9 @@ class StorageTier:
 
         Counts consecutive failures for the fault policy. While the backend is
         down (``auto_reconnect``) the call is not made: it fails at once with
-        `BackendUnavailableError`.
+        `BackendUnavailableError`. A call that times out, or whose caller is
+        cancelled, is cancelled and has settled before this raises (it may be
+        writing into host pages).
         """
         if self.down:
             if asyncio.iscoroutine(coro):
@@ -376,23 +529,13 @@ class StorageTier:
         t0 = time.perf_counter()
         task.add_done_callback(lambda t: _observe_call(what, t, time.perf_counter() - t0))
         try:
-            async with asyncio.timeout(self.config.timeout_s):
-                result = await asyncio.shield(task)
+            result = await bounded(task, self.config.timeout_s)
         except TimeoutError:
             self.stats.storage_timeouts += 1
-            task.cancel()
-            # Wait for the call to settle: it may be writing into host pages.
-            with contextlib.suppress(BaseException):
-                await task
             self._failed()
             raise StorageTimeoutError(
                 f"storage {what} timed out after {self.config.timeout_s} s"
             ) from None
-        except asyncio.CancelledError:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(task)
-            raise
         except StorageError:
             self.stats.storage_errors += 1
             self._failed()
@@ -410,26 +553,25 @@ class StorageTier:
         policy = self.config.fault_policy
         if self._failures < self.config.fault_threshold or policy == "none" or self._closing:
             return
+        if self.down:
+            return
+        self.down = True
         if policy == "auto_detach":
-            if not self.down:
-                self.down = True
-                self.stats.auto_detaches += 1
-                self.controller.stats.storage_auto_detaches += 1
-                logger.warning(
-                    "storage backend %s failed %d times in a row: detaching it",
-                    self.backend.name,
-                    self._failures,
-                )
-                self.controller._background(self.controller.detach_storage_backend(tier=self))
-        elif not self.down:
-            self.down = True
-            self.stats.outages += 1
+            self.stats.auto_detaches += 1
             logger.warning(
-                "storage backend %s failed %d times in a row: treating it as down and probing it",
+                "storage backend %s failed %d times in a row: detaching it",
                 self.backend.name,
                 self._failures,
             )
-            self._probe = self._spawn(self._reconnect())
+            self.slots.storage_failed(self)
+            return
+        self.stats.outages += 1
+        logger.warning(
+            "storage backend %s failed %d times in a row: treating it as down and probing it",
+            self.backend.name,
+            self._failures,
+        )
+        self._probe = self.tasks.spawn(self._reconnect(), "the storage reconnect probe")
 
     async def _reconnect(self) -> None:
         """Probe the backend with exponential backoff until it answers, then resume."""
@@ -438,9 +580,8 @@ class StorageTier:
         while not self._closing:
             await asyncio.sleep(delay)
             try:
-                async with asyncio.timeout(self.config.timeout_s):
-                    await self.backend.batch_exists(probe)
-            except (TimeoutError, Exception) as e:
+                await bounded(self.backend.batch_exists(probe), self.config.timeout_s)
+            except Exception as e:  # TimeoutError included
                 logger.debug("storage probe failed: %r", e)
                 delay = min(delay * 2, self.config.reconnect_backoff_max_s)
                 continue
@@ -454,13 +595,14 @@ class StorageTier:
         n_pages = len(token_ids) // self.page_size
         if n_pages <= _INLINE_HASH_PAGES:
             return page_hashes(token_ids, self.page_size, prior)
-        return await self._loop.run_in_executor(None, page_hashes, token_ids, self.page_size, prior)
+        job = self._loop.run_in_executor(None, page_hashes, token_ids, self.page_size, prior)
+        return await finish(job)
 
     def _check_tokens(
         self, host_indices: torch.Tensor, token_ids: Sequence[int]
     ) -> tuple[torch.Tensor, Sequence[int]]:
         host = check_slot_indices(
-            host_indices, self.page_size, self.controller.host_pool.num_slots, "host_indices"
+            host_indices, self.page_size, self.slots.pool.num_slots, "host_indices"
         )
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.tolist()
@@ -469,7 +611,7 @@ class StorageTier:
             raise InvalidInputError(
                 f"{len(token_ids)} tokens for {host.numel()} host slots: they must be equal"
             )
-        if not self.controller.host_allocator.is_allocated(host):
+        if not self.slots.allocator.is_allocated(host):
             raise InvalidInputError("host_indices include slots that are not allocated")
         return host, token_ids
 
@@ -506,13 +648,25 @@ class StorageTier:
             self.stats.prefetch_rate_limited += 1
             self.abstain()
             return None
-        op = PrefetchOperation(request_id, host, tokens, prior_hash, self._loop.create_future())
+        op = PrefetchOperation(
+            request_id,
+            host,
+            tokens,
+            prior_hash,
+            self._loop.create_future(),
+            page_size=self.page_size,
+            on_handover=self._handed_over,
+        )
         self._held_tokens += op.num_tokens
-        self.controller._hold_host(host, +1)
-        self._ops.add(op)
+        self.slots.hold(host)
+        self._add_op(op)
         self.stats.prefetch_started += 1
         self._query_queue.put_nowait(op)
         return op
+
+    def _handed_over(self, tokens: int) -> None:
+        """A prefetch's completed prefix became its caller's: the tier no longer holds it."""
+        self._held_tokens -= tokens
 
     def abstain(self) -> None:
         """With a TP group: this rank skips a prefetch, yet joins its agreement (with 0 hits).
@@ -543,26 +697,28 @@ class StorageTier:
                 self._end(op, PrefetchState.FAILED)
                 raise
 
-    async def _query(self, op: PrefetchOperation) -> None:
+    async def _count_hits(self, op: PrefetchOperation) -> int:
+        """Pages of ``op`` in storage, up to the first missing one (0 on a storage error)."""
         hit_pages = 0
-        if not op._frozen:
-            try:
-                op.hash_values = await self._hashes(op.token_ids, op.prior_hash)
-                keys = self.namespace.keys(op.hash_values)
-                step = self.config.query_batch_pages
-                for start in range(0, len(keys), step):
-                    if op._frozen:
-                        break
-                    batch = keys[start : start + step]
-                    n = await self._call("exists", self.backend.batch_exists(batch))
-                    hit_pages += max(0, min(int(n), len(batch)))
-                    if n < len(batch):
-                        break
-            except StorageError as e:
-                logger.warning(
-                    "storage query for %r failed, treated as a miss: %s", op.request_id, e
-                )
-                op.error = e
+        try:
+            op.hash_values = await self._hashes(op.token_ids, op.prior_hash)
+            keys = self.namespace.keys(op.hash_values)
+            step = self.config.query_batch_pages
+            for start in range(0, len(keys), step):
+                if op._frozen:
+                    break
+                batch = keys[start : start + step]
+                n = await self._call("exists", self.backend.batch_exists(batch))
+                hit_pages += max(0, min(int(n), len(batch)))
+                if n < len(batch):
+                    break
+        except StorageError as e:
+            logger.warning("storage query for %r failed, treated as a miss: %s", op.request_id, e)
+            op.error = e
+        return hit_pages
+
+    async def _query(self, op: PrefetchOperation) -> None:
+        hit_pages = 0 if op._frozen else await self._count_hits(op)
         # Every rank makes exactly one collective per operation, whatever its data.
         hit_pages = await self._agree_min(hit_pages)
         hit_tokens = hit_pages * self.page_size
@@ -575,7 +731,7 @@ class StorageTier:
         else:
             self.stats.prefetch_tokens_hit += hit_tokens
             op.state = PrefetchState.LOADING
-            self._spawn(self._load(op, hit_pages))
+            self._loads[op] = self.tasks.spawn(self._load(op, hit_pages), "a storage prefetch")
 
     async def _agree_min(self, value: int) -> int:
         if self.tp_group is None:
@@ -591,80 +747,68 @@ class StorageTier:
                 dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
                 return int(t.item())
 
-        return await self._loop.run_in_executor(self._collective, reduce)
+        return await finish(self._loop.run_in_executor(self._collective, reduce))
 
     async def _load(self, op: PrefetchOperation, hit_pages: int) -> None:
-        ps = self.page_size
+        """Read ``op``'s first ``hit_pages`` pages into its host slots, then end it.
+
+        The pages are read ``io_batch_pages`` at a time, up to
+        ``io_concurrency`` batches at once across the tier. ``completed_tokens``
+        grows over the contiguous prefix of what landed (`_ArrivedPrefix`).
+        """
+        prefix = _ArrivedPrefix(hit_pages, self.config.io_batch_pages)
         keys = self.namespace.keys(op.hash_values[:hit_pages])
-        step = self.config.io_batch_pages
-        batches = [(s, min(s + step, hit_pages)) for s in range(0, hit_pages, step)]
-        arrived = [False] * len(batches)
-        next_batch = 0  # first batch not yet counted into completed_tokens
-        stop = asyncio.Event()
-        pool = self.controller.host_pool
-        host_starts = op.host_indices[::ps].tolist()
-
-        async def one(i: int, lo: int, hi: int) -> None:
-            nonlocal next_batch
-            async with self._io_slots:
-                if stop.is_set() or op._frozen:
-                    return
-                pages = [pool.page_buffer(s) for s in host_starts[lo:hi]]
-                try:
-                    got = await self._call("get", self.backend.batch_get(keys[lo:hi], pages))
-                except StorageError as e:
-                    logger.warning(
-                        "prefetch %r: storage read failed, keeping what arrived: %s",
-                        op.request_id,
-                        e,
-                    )
-                    op.error = e
-                    stop.set()
-                    return
-                n_ok = 0
-                for g in got:
-                    if not g:
-                        break
-                    n_ok += 1
-                self.stats.prefetch_pages_fetched += n_ok
-                self.stats.bytes_read += n_ok * self.page_bytes
-                if n_ok < hi - lo:
-                    # A hole: the contiguous prefix ends inside this batch.
-                    stop.set()
-                    batches[i] = (lo, lo + n_ok)
-                arrived[i] = True
-                while next_batch < len(batches) and arrived[next_batch] and not op._frozen:
-                    b_lo, b_hi = batches[next_batch]
-                    op.completed_tokens = b_hi * ps
-                    if b_hi < (next_batch + 1) * step and b_hi < hit_pages:
-                        next_batch = len(batches)  # the hole ends the prefix
-                        break
-                    next_batch += 1
-
+        reads = [
+            asyncio.ensure_future(self._read_batch(op, prefix, i, keys))
+            for i in range(prefix.batches)
+        ]
+        op._io_tasks.update(reads)
         try:
-            tasks = [asyncio.ensure_future(one(i, lo, hi)) for i, (lo, hi) in enumerate(batches)]
-            op._io_tasks.update(tasks)
-            try:
-                await asyncio.gather(*tasks)
-            except asyncio.CancelledError:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-        except asyncio.CancelledError:
+            # A read that `terminate_prefetch` cancelled ends cancelled: not an error.
+            results = await asyncio.gather(*reads, return_exceptions=True)
+        except asyncio.CancelledError:  # the tier stops: gather waited for every read
             self._end(op, PrefetchState.TERMINATED)
             raise
+        bug = next((r for r in results if isinstance(r, Exception)), None)
+        if bug is not None:  # the op ends, then the group reports the bug
+            op.error = bug
+            self._end(op, PrefetchState.FAILED)
+            raise bug
         if op._frozen:
-            state = PrefetchState.TERMINATED
-        elif op.error is not None:
-            state = PrefetchState.FAILED
+            self._end(op, PrefetchState.TERMINATED)
         else:
-            state = PrefetchState.DONE
-        self._end(op, state)
+            self._end(op, PrefetchState.FAILED if op.error is not None else PrefetchState.DONE)
+
+    async def _read_batch(
+        self, op: PrefetchOperation, prefix: _ArrivedPrefix, batch: int, keys: list[PageKey]
+    ) -> None:
+        """Read one batch of ``op``'s pages into its host slots and count what landed."""
+        async with self._io_slots:
+            if prefix.stopped or op._frozen:
+                return
+            lo, hi = prefix.bounds(batch)
+            ps = self.page_size
+            pool = self.slots.pool
+            pages = [pool.page_buffer(s) for s in op.host_indices[lo * ps : hi * ps : ps].tolist()]
+            try:
+                got = await self._call("get", self.backend.batch_get(keys[lo:hi], pages))
+            except StorageError as e:
+                logger.warning(
+                    "prefetch %r: storage read failed, keeping what arrived: %s", op.request_id, e
+                )
+                op.error = e
+                prefix.land(batch, 0)
+                return
+            n_ok = _leading_ok(got)
+            self.stats.prefetch_pages_fetched += n_ok
+            self.stats.bytes_read += n_ok * self.page_bytes
+            prefix.land(batch, n_ok)
+            if not op._frozen:
+                op.completed_tokens = prefix.pages * ps
 
     def _end(self, op: PrefetchOperation, state: PrefetchState) -> None:
         """Final state, then free the host slots past completed_tokens (nothing writes them now)."""
-        if op._done.done():
+        if op.done():
             return
         op._frozen = True
         op.state = state
@@ -675,13 +819,14 @@ class StorageTier:
             self.stats.prefetch_completed += 1
         elif state is PrefetchState.FAILED:
             self.stats.prefetch_failed += 1
-        ctl = self.controller
-        ctl._hold_host(op.host_indices, -1)
+        self.slots.release(op.host_indices)
         rest = op.host_indices[op.completed_tokens :]
         if rest.numel():
-            ctl.host_allocator.free(rest)
+            self.slots.allocator.free(rest)
         self._held_tokens -= int(rest.numel())
         self._ops.discard(op)
+        self._loads.pop(op, None)
+        self._work_changed()
         op._done.set_result(None)
 
     async def terminate_prefetch(self, op: PrefetchOperation) -> tuple[int, list[str]]:
@@ -692,20 +837,17 @@ class StorageTier:
         are freed.
 
         Returns:
-            ``(completed_tokens, hash_values[:completed pages])``. The caller now
-            owns ``op.host_indices[:completed_tokens]``.
+            ``(completed_tokens, hash_values[:completed pages])`` (see
+            `PrefetchOperation.take_completed`). The caller now owns
+            ``op.host_indices[:completed_tokens]``.
         """
-        first = not op._frozen or not op._released
-        if not op._done.done() and not op._frozen:
+        if not op.done() and not op._frozen:
             self.stats.prefetch_terminated += 1
         op._frozen = True
         for t in list(op._io_tasks):
             t.cancel()
-        await op
-        if first and not op._released:
-            op._released = True
-            self._held_tokens -= op.completed_tokens
-        return op.completed_tokens, op.hash_values[: op.completed_tokens // self.page_size]
+        await op.wait()
+        return op.take_completed()
 
     # -- backup ---------------------------------------------------------------
 
@@ -728,45 +870,23 @@ class StorageTier:
             InvalidInputError: slots and tokens that do not match.
         """
         host, tokens = self._check_tokens(host_indices, token_ids)
-        done = self._loop.create_future()
-        op = BackupOperation(node_id, host, hash_values or [], done)
+        op = BackupOperation(node_id, host, hash_values or [], self._loop.create_future())
+        # Spawned first (it runs later): a closed group refuses it before anything is held.
+        self._backups[op] = self.tasks.spawn(self._backup(op, tokens, prior_hash), "a backup")
+        self.slots.hold(host)
         self.stats.backup_ops += 1
-        self.controller._hold_host(host, +1)
-        self._spawn(self._backup(op, tokens, prior_hash))
+        self._work_changed()
         return op
 
     async def _backup(self, op: BackupOperation, tokens: Sequence[int], prior: str | None) -> None:
-        ps = self.page_size
+        """Hash the pages if needed, write them (`_write_pages`), then end ``op``."""
         try:
             if not op.hash_values:
                 op.hash_values = await self._hashes(tokens, prior)
-            if not self.write_enabled:
+            if self.write_enabled:
+                await self._write_pages(op)
+            else:
                 op.completed_tokens = op.host_indices.numel()
-                return
-            keys = self.namespace.keys(op.hash_values)
-            starts = op.host_indices[::ps].tolist()
-            pool = self.controller.host_pool
-            step = self.config.backup_batch_pages
-            for lo in range(0, len(keys), step):
-                batch_keys = keys[lo : lo + step]
-                have = await self._call("exists", self.backend.batch_exists(batch_keys))
-                have = max(0, min(int(have), len(batch_keys)))
-                self.stats.backup_pages_skipped += have
-                todo_keys: list[PageKey] = batch_keys[have:]
-                if todo_keys:
-                    pages = [pool.page_buffer(s) for s in starts[lo + have : lo + len(batch_keys)]]
-                    ok = await self._call("set", self.backend.batch_set(todo_keys, pages))
-                    n_ok = 0
-                    for g in ok:
-                        if not g:
-                            break
-                        n_ok += 1
-                    self.stats.backup_pages_written += n_ok
-                    self.stats.bytes_written += n_ok * self.page_bytes
-                    if n_ok < len(todo_keys):
-                        op.completed_tokens = (lo + have + n_ok) * ps
-                        raise StorageError(f"backup of {op.node_id!r}: the backend refused a page")
-                op.completed_tokens = (lo + len(batch_keys)) * ps
         except StorageError as e:
             self.stats.backup_failed += 1
             op.error = e
@@ -777,10 +897,46 @@ class StorageTier:
             op.error = e
             raise
         finally:
-            self.controller._hold_host(op.host_indices, -1)
-            self._finished_backups.append(op)
-            if not op._done.done():
-                op._done.set_result(None)
+            self._end_backup(op)
+
+    async def _write_pages(self, op: BackupOperation) -> None:
+        """Write ``op``'s pages ``backup_batch_pages`` at a time, skipping those already stored.
+
+        Raises:
+            StorageError: a call failed or the backend refused a page
+                (``completed_tokens`` counts what was stored before it).
+        """
+        keys = self.namespace.keys(op.hash_values)
+        step = self.config.backup_batch_pages
+        for lo in range(0, len(keys), step):
+            stored = await self._write_batch(op, lo, keys[lo : lo + step])
+            op.completed_tokens = (lo + stored) * self.page_size
+            if stored < len(keys[lo : lo + step]):
+                raise StorageError(f"backup of {op.node_id!r}: the backend refused a page")
+
+    async def _write_batch(self, op: BackupOperation, lo: int, keys: list[PageKey]) -> int:
+        """Store pages ``lo ..`` of ``op`` under ``keys``; return how many leading ones are stored."""
+        have = await self._call("exists", self.backend.batch_exists(keys))
+        have = max(0, min(int(have), len(keys)))
+        self.stats.backup_pages_skipped += have
+        todo = keys[have:]
+        if not todo:
+            return have
+        ps = self.page_size
+        starts = op.host_indices[(lo + have) * ps : (lo + len(keys)) * ps : ps].tolist()
+        pages = [self.slots.pool.page_buffer(s) for s in starts]
+        n_ok = _leading_ok(await self._call("set", self.backend.batch_set(todo, pages)))
+        self.stats.backup_pages_written += n_ok
+        self.stats.bytes_written += n_ok * self.page_bytes
+        return have + n_ok
+
+    def _end_backup(self, op: BackupOperation) -> None:
+        self.slots.release(op.host_indices)
+        self._finished_backups.append(op)
+        self._backups.pop(op, None)
+        self._work_changed()
+        if not op.done():
+            op._done.set_result(None)
 
     def drain_backup_acks(self) -> list[BackupOperation]:
         """Backups that ended since the last call, oldest first (non-blocking)."""
@@ -790,25 +946,17 @@ class StorageTier:
 
     # -- lifecycle ------------------------------------------------------------
 
-    def _work(self) -> list[asyncio.Task[Any]]:
-        """Load and backup tasks: not the query loop, not the reconnect probe."""
-        return [t for t in self._tasks if t is not self._query_task and t is not self._probe]
-
     @property
     def busy(self) -> bool:
         """A prefetch or a backup is running (a reconnect probe does not count)."""
-        return bool(self._ops) or bool(self._work())
+        return not self._idle.is_set()
 
     async def wait_idle(self) -> None:
-        """Return once no prefetch or backup is running (a probe of a down backend may go on)."""
-        while True:
-            work = self._work()
-            if work:
-                await asyncio.gather(*work, return_exceptions=True)
-            elif self._ops:
-                await asyncio.sleep(0.001)  # operations still in the query coroutine
-            else:
-                return
+        """Return once no prefetch or backup is running (a probe of a down backend may go on).
+
+        Event-driven: it wakes when the last running operation ends.
+        """
+        await self._idle.wait()
 
     async def stop(self) -> None:
         """Terminate every prefetch, cancel every backup, stop the query coroutine.
@@ -819,25 +967,29 @@ class StorageTier:
         if self._closing:
             return
         self._closing = True
-        for op in list(self._ops):
+        for op in self._ops:
             op._frozen = True
         self._query_queue.put_nowait(None)
-        # Queued, never-queried operations: end them now.
-        while True:
-            tasks = [t for t in self._tasks if not t.done()]
-            for t in tasks:
-                if t is not self._query_task:
-                    t.cancel()
-            if not tasks:
-                break
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await self._end_tasks()
+        # Operations still queued for the query loop never started: end them now.
         for op in list(self._ops):
             self._end(op, PrefetchState.TERMINATED)
         if self._collective is not None:
-            collective = self._collective
-            await asyncio.to_thread(collective.shutdown, True)
+            await asyncio.to_thread(self._collective.shutdown, True)
         if self.owns_backend:
             try:
                 await self.backend.aclose()
             except Exception as e:
                 logger.warning("closing the storage backend failed: %r", e)
+
+    def _running(self) -> list[asyncio.Task[Any]]:
+        tasks = [self._query_task, self._probe, *self._loads.values(), *self._backups.values()]
+        return [t for t in tasks if t is not None and not t.done()]
+
+    async def _end_tasks(self) -> None:
+        """Cancel the tier's loads, backups and probe; let the query loop finish; wait for all."""
+        while tasks := self._running():
+            for t in tasks:
+                if t is not self._query_task:
+                    t.cancel()
+            await asyncio.wait(tasks)

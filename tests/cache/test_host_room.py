@@ -114,7 +114,7 @@ async def test_write_through_without_anything_in_flight_does_not_wait() -> None:
         await put(cache, b, 2.0)  # larger than the host: can never be written
         await cache.wait_idle()
         assert host_kv(cache, b) is None
-        assert not cache._tasks
+        assert len(cache.tasks) == 0
         assert cache.controller.stats.host_full >= 1
 
 

@@ -266,7 +266,7 @@ async def test_waiters_are_served_first_come_first_served_and_cancel_cleanly() -
         assert got == [0, 2, 3], got
         assert tasks[1].cancelled()
         assert c.controller.device_allocator.used == 0
-        assert not c._room_queue
+        assert not c._device_queue
 
 
 # -- one answer for one input ------------------------------------------------------------

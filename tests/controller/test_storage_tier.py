@@ -295,7 +295,7 @@ async def test_detach_mid_prefetch_and_backup_leaves_no_coroutine_and_no_leak() 
         await asyncio.sleep(0.01)
         tier = c.storage
         await c.detach_storage_backend()
-        assert tier is not None and not tier._tasks
+        assert tier is not None and not tier.busy and len(tier.tasks) == 0
         assert op.done() and b.done()
         n, _ = await c.terminate_prefetch(op)
         c.evict_host(h[:n])

@@ -1173,3 +1173,17 @@ class RadixIndex:
             f"device_tokens={self._device_tokens}, host_tokens={self._host_tokens}, "
             f"namespaces={len(self._roots)})"
         )
+
+    def mark_backed_up(self, node: Node) -> None:
+        """Record that ``node``'s pages are in storage (``node.backuped_storage``).
+
+        Called once a backup of the node succeeded, or for a node inserted
+        from pages a prefetch read from storage.
+
+        Raises:
+            StateError: ``node`` is a root or not in the index.
+        """
+        self._check_attached(node)
+        if node.is_root:
+            raise StateError("a root holds no pages")
+        node.backuped_storage = True

@@ -1,0 +1,213 @@
+"""Tasks waiting for room are woken by events, never by a timer.
+
+Every test here waits with ``alloc_timeout_s=60``: the deadline can never be
+what wakes a waiter. Each holds the room for a stretch of real time in which
+a polling waiter would look again and again, then releases it through one
+kind of event (a request ends, slots are freed, a copy settles, a load
+settles, a storage backup ends) and counts how often the waiter tried:
+once on arrival, once per wake. ``asyncio.wait_for`` is made to fail, and
+any timed sleep from the cache module is recorded, so a waiter that polls
+fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from tiercache import TierCache, TierCacheConfig
+from tiercache.storage.base import PageBuffer, PageKey
+from tiercache.storage.memory import MemoryBackend
+from tiercache.transfer.engine import CopyEngine
+
+PS = 16
+HOLD_ROUNDS = 6  # x 0.03 s of real time holding the room: a poller would look many times
+
+
+def config(**kw: Any) -> TierCacheConfig:
+    base: dict[str, Any] = dict(
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=4,
+        page_size=PS,
+        device_tokens=64,
+        host_tokens=128,
+        model="room-events",
+        write_policy="write_through",
+        alloc_timeout_s=60.0,
+    )
+    base.update(kw)
+    return TierCacheConfig(**base)
+
+
+@pytest.fixture
+def no_timers(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Fail on ``asyncio.wait_for``; record timed sleeps made by the cache module."""
+    timed: list[float] = []
+    real_sleep = asyncio.sleep
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise AssertionError("a room waiter must not wait with a timeout")
+
+    async def recording_sleep(delay: float, *args: Any) -> Any:
+        if delay > 0 and sys._getframe(1).f_globals.get("__name__") == "tiercache.cache":
+            timed.append(delay)
+        return await real_sleep(delay, *args)
+
+    monkeypatch.setattr(asyncio, "wait_for", refuse)
+    monkeypatch.setattr(asyncio, "sleep", recording_sleep)
+    return timed
+
+
+def count_turns(cache: TierCache, monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of the cache's method ``name`` (a waiter's turn at the room)."""
+    calls = [0]
+    real: Callable[..., Any] = getattr(cache, name)
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cache, name, counted)
+    return calls
+
+
+async def hold_a_while() -> None:
+    for _ in range(HOLD_ROUNDS):
+        await asyncio.sleep(0.03)
+
+
+async def settle(task: Awaitable[Any]) -> Any:
+    async with asyncio.timeout(10):  # a guard against a hang, not a measurement
+        return await task
+
+
+class Gate:
+    """Holds every device<->host copy in its worker thread until opened."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, cache: TierCache, method: str) -> None:
+        self.open = threading.Event()
+        cache.controller.inline_copy_bytes = 0  # copies go to the stream's worker thread
+        real = getattr(CopyEngine, method)
+
+        def gated(engine: CopyEngine, *args: Any) -> Any:
+            self.open.wait(10)
+            return real(engine, *args)
+
+        monkeypatch.setattr(CopyEngine, method, gated)
+
+
+async def fill(cache: TierCache, tokens: list[int]) -> torch.Tensor:
+    slots = await cache.alloc_device(len(tokens))
+    await cache.insert(tokens, slots)
+    return slots
+
+
+async def test_a_request_that_ends_wakes_the_device_waiter(
+    monkeypatch: pytest.MonkeyPatch, no_timers: list[float]
+) -> None:
+    async with TierCache(config()) as cache:
+        turns = count_turns(cache, monkeypatch, "_make_device_room")
+        async with cache.request(list(range(5))) as req:
+            await req.alloc(64)  # the whole device, outside the index
+            waiter = asyncio.ensure_future(cache.alloc_device(32))
+            await hold_a_while()
+            assert not waiter.done() and turns[0] == 1
+        slots = await settle(waiter)  # the request's end freed its slots
+        assert slots.numel() == 32 and turns[0] == 2
+    assert no_timers == []
+
+
+async def test_freed_slots_wake_the_device_waiter(
+    monkeypatch: pytest.MonkeyPatch, no_timers: list[float]
+) -> None:
+    async with TierCache(config()) as cache:
+        turns = count_turns(cache, monkeypatch, "_make_device_room")
+        mine = await cache.alloc_device(64)
+        waiter = asyncio.ensure_future(cache.alloc_device(64))
+        await hold_a_while()
+        assert not waiter.done() and turns[0] == 1
+        cache.free_device(mine)
+        assert (await settle(waiter)).numel() == 64
+        assert turns[0] == 2
+    assert no_timers == []
+
+
+async def test_a_settled_copy_wakes_the_device_waiter(
+    monkeypatch: pytest.MonkeyPatch, no_timers: list[float]
+) -> None:
+    async with TierCache(config()) as cache:
+        gate = Gate(monkeypatch, cache, "backup_all_layers")
+        await fill(cache, list(range(64)))  # its write-through holds it on the device
+        turns = count_turns(cache, monkeypatch, "_make_device_room")
+        waiter = asyncio.ensure_future(cache.alloc_device(64))
+        await hold_a_while()
+        assert not waiter.done() and turns[0] == 1
+        gate.open.set()  # the copy lands: the node may leave the device now
+        assert (await settle(waiter)).numel() == 64
+        assert turns[0] == 2
+        assert cache.stats().device_evictions == 1
+    assert no_timers == []
+
+
+async def test_a_settled_load_wakes_the_device_waiter(
+    monkeypatch: pytest.MonkeyPatch, no_timers: list[float]
+) -> None:
+    async with TierCache(config()) as cache:
+        tokens = list(range(64))
+        await fill(cache, tokens)
+        await cache.wait_idle()
+        assert await cache.evict_device(64) == 64  # host-only now
+        gate = Gate(monkeypatch, cache, "load_layer")
+        _, handle = await cache.load_back(cache.match_prefix(tokens))
+        assert handle is not None and not handle.done()  # locked until it lands
+        turns = count_turns(cache, monkeypatch, "_make_device_room")
+        waiter = asyncio.ensure_future(cache.alloc_device(64))
+        await hold_a_while()
+        assert not waiter.done() and turns[0] == 1
+        gate.open.set()
+        assert (await settle(waiter)).numel() == 64
+        assert turns[0] == 2
+    assert no_timers == []
+
+
+class GatedBackend(MemoryBackend):
+    """A memory backend whose writes wait until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def batch_set(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
+        await self.gate.wait()
+        return await super().batch_set(keys, pages)
+
+
+async def test_an_ended_backup_wakes_the_host_waiter(
+    monkeypatch: pytest.MonkeyPatch, no_timers: list[float]
+) -> None:
+    backend = GatedBackend()
+    async with TierCache(config(device_tokens=256, host_tokens=64)) as cache:
+        await cache.attach_storage(backend)
+        a = list(range(1000, 1064))
+        await fill(cache, a)
+        await cache.controller.wait_idle()  # A's host write; its backup waits at the gate
+        await asyncio.sleep(0)
+        assert await cache.evict_device(256) == 64  # A is host-only, pinned by its backup
+        turns = count_turns(cache, monkeypatch, "_make_host_room")
+        await fill(cache, list(range(2000, 2064)))  # its write-through waits for host room
+        await hold_a_while()
+        waited = turns[0]
+        assert 1 <= waited <= 2  # tried on arrival (and in line), not since
+        backend.gate.set()  # A's backup ends, unpinning it: B's write may evict it
+        await settle(cache.wait_idle())
+        assert turns[0] - waited <= 2
+        assert cache.stats().host_evictions == 1
+        assert cache.stats().extra["host_tokens_cached"] == 64
+    assert no_timers == []
