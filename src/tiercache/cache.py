@@ -269,7 +269,6 @@ class TierCache(AsyncResource):
             dev,
             host,
             device_allocator=self._device_allocator,
-            write_policy=cfg.write_policy,
             model=cfg.model,
             tp_rank=cfg.tp_rank,
             tp_size=cfg.tp_size,
@@ -546,7 +545,7 @@ class TierCache(AsyncResource):
             raise InvalidInputError(
                 "free_device: some of these slots belong to an open request (it frees them)"
             )
-        ctl.evict_device(dev, ready=ready_ev)
+        ctl.free_device(dev, ready=ready_ev)
         self._notify_room()
 
     def _pages(self, dev: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
@@ -603,7 +602,7 @@ class TierCache(AsyncResource):
                 dev = node.device_indices
                 self.index.remove(node)
                 self._set_index_pages(dev, False)
-                ctl.evict_device(dev)
+                ctl.free_device(dev)
                 freed += dev.numel()
                 self._stats.device_evictions += 1
                 self._stats.device_evicted_tokens += dev.numel()
@@ -620,7 +619,7 @@ class TierCache(AsyncResource):
                 continue
             dev = self.index.mark_device_evicted(node)
             self._set_index_pages(dev, False)
-            ctl.evict_device(dev)
+            ctl.free_device(dev)
             freed += dev.numel()
             self._stats.device_evictions += 1
             self._stats.device_evicted_tokens += dev.numel()
@@ -731,7 +730,7 @@ class TierCache(AsyncResource):
             if ctl.ack_busy("host", host):
                 continue
             self.index.remove(node)
-            ctl.evict_host(host)
+            ctl.free_host(host)
             freed += host.numel()
             self._stats.host_evictions += 1
             self._stats.host_evicted_tokens += host.numel()
@@ -1631,6 +1630,6 @@ class Request:
         for slots in self._owned:
             if slots.numel():
                 cache._request_pages[cache._pages(slots)] = False
-                ctl.evict_device(slots)
+                ctl.free_device(slots)
         self._owned = []
         cache._notify_room()
