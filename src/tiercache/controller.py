@@ -21,7 +21,7 @@ import enum
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
@@ -644,13 +644,6 @@ class TierController(AsyncResource):
     def _mark_busy(self, op: _Operation, delta: int) -> None:
         self._busy_host.add(op.host_pages, delta)
         self._busy_device.add(op.device_pages, delta)
-
-    def _hold_host(self, host_indices: torch.Tensor, delta: int) -> None:
-        """Mark host slots in use by a storage call (+1) or release them (-1)."""
-        if delta > 0:
-            self._slots.hold(host_indices)
-        else:
-            self._slots.release(host_indices)
 
     def _new_op(
         self,
@@ -1315,7 +1308,8 @@ class TierController(AsyncResource):
             try:
                 self._check_open()
                 self.storage = StorageTier(
-                    self,
+                    self._slots,
+                    self.tasks,
                     opened,
                     self.namespace,
                     self.storage_config,
@@ -1348,10 +1342,6 @@ class TierController(AsyncResource):
             await tier.stop()
             logger.info("storage backend %s detached", tier.backend.name)
             return True
-
-    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Run ``coro`` in the controller's task group."""
-        self.tasks.spawn(coro, "a storage detach")
 
     def _storage_failed(self, tier: StorageTier) -> None:
         """`_HostSlots.storage_failed`: count it, detach ``tier`` in the task group."""

@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -52,7 +52,9 @@ from tiercache.storage.base import PageKey, StorageBackend
 from tiercache.storage.keys import StorageNamespace
 
 if TYPE_CHECKING:
-    from tiercache.controller import TierController
+    from tiercache._tasks import TaskGroup
+    from tiercache.memory.allocator import PageAllocator
+    from tiercache.memory.pools import HostKVPool
 
 __all__ = [
     "FAULT_POLICIES",
@@ -287,6 +289,20 @@ class BackupOperation:
         return f"BackupOperation({self.node_id!r}, completed={self.completed_tokens}/{self.host_indices.numel()})"
 
 
+class HostSlots(Protocol):
+    """What a storage tier may do with its controller's host pool, and nothing more."""
+
+    @property
+    def pool(self) -> HostKVPool: ...  # the pinned host pool (read/write page views)
+    @property
+    def allocator(self) -> PageAllocator: ...  # host slot allocator (free unfilled prefetch slots)
+    @property
+    def device(self) -> torch.device: ...  # the device pool's device (TP collectives pick theirs)
+    def hold(self, host_indices: torch.Tensor) -> None: ...  # slots in use by a storage call
+    def release(self, host_indices: torch.Tensor) -> None: ...  # ... no longer
+    def storage_failed(self, tier: StorageTier) -> None: ...  # auto_detach: the owner detaches it
+
+
 class StorageTier:
     """Prefetch and backup between a host pool and one attached storage backend.
 
@@ -298,7 +314,8 @@ class StorageTier:
 
     def __init__(
         self,
-        controller: TierController,
+        slots: HostSlots,
+        tasks: TaskGroup,
         backend: StorageBackend,
         namespace: StorageNamespace,
         config: StorageTierConfig,
@@ -307,7 +324,8 @@ class StorageTier:
         tp_group: Any = None,
         write_enabled: bool = True,
     ) -> None:
-        self.controller = controller
+        self.slots = slots
+        self.tasks = tasks
         self.backend = backend
         self.namespace = namespace
         self.config = config
@@ -315,8 +333,8 @@ class StorageTier:
         self.tp_group = tp_group
         self.write_enabled = write_enabled
         self.stats = StorageTierStats()
-        self.page_size = controller.layout.page_size
-        self.page_bytes = controller.layout.page_bytes
+        self.page_size = slots.pool.layout.page_size
+        self.page_bytes = slots.pool.layout.page_bytes
         self._loop = asyncio.get_running_loop()
         self._query_queue: asyncio.Queue[PrefetchOperation | _Abstain | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -327,7 +345,7 @@ class StorageTier:
         self._collective = None
         self._collective_device = torch.device("cpu")
         if tp_group is not None:
-            self._collective_device = collective_device(tp_group, controller.device_pool.device)
+            self._collective_device = collective_device(tp_group, slots.device)
             import concurrent.futures
 
             # Collectives must be issued in the same order on every rank: one thread.
@@ -414,13 +432,12 @@ class StorageTier:
             if not self.down:
                 self.down = True
                 self.stats.auto_detaches += 1
-                self.controller.stats.storage_auto_detaches += 1
                 logger.warning(
                     "storage backend %s failed %d times in a row: detaching it",
                     self.backend.name,
                     self._failures,
                 )
-                self.controller._background(self.controller.detach_storage_backend(tier=self))
+                self.slots.storage_failed(self)
         elif not self.down:
             self.down = True
             self.stats.outages += 1
@@ -460,7 +477,7 @@ class StorageTier:
         self, host_indices: torch.Tensor, token_ids: Sequence[int]
     ) -> tuple[torch.Tensor, Sequence[int]]:
         host = check_slot_indices(
-            host_indices, self.page_size, self.controller.host_pool.num_slots, "host_indices"
+            host_indices, self.page_size, self.slots.pool.num_slots, "host_indices"
         )
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.tolist()
@@ -469,7 +486,7 @@ class StorageTier:
             raise InvalidInputError(
                 f"{len(token_ids)} tokens for {host.numel()} host slots: they must be equal"
             )
-        if not self.controller.host_allocator.is_allocated(host):
+        if not self.slots.allocator.is_allocated(host):
             raise InvalidInputError("host_indices include slots that are not allocated")
         return host, token_ids
 
@@ -508,7 +525,7 @@ class StorageTier:
             return None
         op = PrefetchOperation(request_id, host, tokens, prior_hash, self._loop.create_future())
         self._held_tokens += op.num_tokens
-        self.controller._hold_host(host, +1)
+        self.slots.hold(host)
         self._ops.add(op)
         self.stats.prefetch_started += 1
         self._query_queue.put_nowait(op)
@@ -601,7 +618,7 @@ class StorageTier:
         arrived = [False] * len(batches)
         next_batch = 0  # first batch not yet counted into completed_tokens
         stop = asyncio.Event()
-        pool = self.controller.host_pool
+        pool = self.slots.pool
         host_starts = op.host_indices[::ps].tolist()
 
         async def one(i: int, lo: int, hi: int) -> None:
@@ -675,11 +692,10 @@ class StorageTier:
             self.stats.prefetch_completed += 1
         elif state is PrefetchState.FAILED:
             self.stats.prefetch_failed += 1
-        ctl = self.controller
-        ctl._hold_host(op.host_indices, -1)
+        self.slots.release(op.host_indices)
         rest = op.host_indices[op.completed_tokens :]
         if rest.numel():
-            ctl.host_allocator.free(rest)
+            self.slots.allocator.free(rest)
         self._held_tokens -= int(rest.numel())
         self._ops.discard(op)
         op._done.set_result(None)
@@ -731,7 +747,7 @@ class StorageTier:
         done = self._loop.create_future()
         op = BackupOperation(node_id, host, hash_values or [], done)
         self.stats.backup_ops += 1
-        self.controller._hold_host(host, +1)
+        self.slots.hold(host)
         self._spawn(self._backup(op, tokens, prior_hash))
         return op
 
@@ -745,7 +761,7 @@ class StorageTier:
                 return
             keys = self.namespace.keys(op.hash_values)
             starts = op.host_indices[::ps].tolist()
-            pool = self.controller.host_pool
+            pool = self.slots.pool
             step = self.config.backup_batch_pages
             for lo in range(0, len(keys), step):
                 batch_keys = keys[lo : lo + step]
@@ -777,7 +793,7 @@ class StorageTier:
             op.error = e
             raise
         finally:
-            self.controller._hold_host(op.host_indices, -1)
+            self.slots.release(op.host_indices)
             self._finished_backups.append(op)
             if not op._done.done():
                 op._done.set_result(None)
