@@ -102,21 +102,20 @@ class _Completion:
     awaiting the completion resumes.
     """
 
-    __slots__ = ("_callbacks", "_future")
+    __slots__ = ("_callbacks", "_future", "_settled")
 
     def __init__(self, future: asyncio.Future[None]) -> None:
         self._future = future
         self._callbacks: list[Callable[[Any], None]] | None = None
+        self._settled = False
 
     def done(self) -> bool:
         """Whether the copy has settled (succeeded, failed or was cancelled by `reset`)."""
-        return self._future.done()
+        return self._settled
 
     def failed(self) -> bool:
         """Whether the copy has settled with an error (or was cancelled)."""
-        return self._future.done() and (
-            self._future.cancelled() or self._future.exception() is not None
-        )
+        return self._settled and (self._future.cancelled() or self._future.exception() is not None)
 
     def add_done_callback(self, fn: Callable[[Self], None]) -> None:
         """Call ``fn(self)`` on the loop thread once the copy has settled.
@@ -126,7 +125,7 @@ class _Completion:
         after it settled, ``fn`` runs on the next loop iteration. An exception
         from ``fn`` goes to the loop's exception handler. Loop thread only.
         """
-        if self._future.done():
+        if self._settled:
             self._future.get_loop().call_soon(fn, self)
         elif self._callbacks is None:
             self._callbacks = [fn]
@@ -145,11 +144,19 @@ class _Completion:
         return asyncio.shield(self._future).__await__()
 
     def _settle(self, error: BaseException | None) -> None:
-        """Resolve the completion and run its callbacks (loop thread, the controller only)."""
+        """Resolve the completion and run its callbacks (loop thread, the controller only).
+
+        The future may already be cancelled: `TierController.backup` and
+        `load_back` await a private ack's future directly, and cancelling
+        them cancels it. The callbacks still run once the copy has settled.
+        """
+        if self._settled:
+            return
+        self._settled = True
         fut = self._future
         if fut.done():
-            return
-        if error is None:
+            pass
+        elif error is None:
             fut.set_result(None)
         elif isinstance(error, asyncio.CancelledError):
             fut.cancel()
@@ -281,9 +288,13 @@ class _BusyPages:
 
     A numpy array rather than a tensor: an operation touches a handful of
     pages, and numpy's fancy indexing costs about a microsecond where a torch
-    op costs several. Pages within one update are unique (they come from one
-    allocation), so ``counts[pages] += delta`` is exact.
+    op costs several; for a few pages a loop over scalars is cheaper still
+    (no index array, no temporary). Pages within one update are unique (they
+    come from one allocation), so ``counts[pages] += delta`` is exact.
     """
+
+    #: Updates of at most this many pages loop over them one by one.
+    SMALL = 8
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.page_size = page_size
@@ -294,11 +305,18 @@ class _BusyPages:
         return indices.numpy()[:: self.page_size] // self.page_size
 
     def add(self, pages: np.ndarray[Any, np.dtype[np.int64]], delta: int) -> None:
-        if pages.size:
-            self.counts[pages] += delta
+        counts = self.counts
+        if pages.size > self.SMALL:
+            counts[pages] += delta
+        else:
+            for p in pages.tolist():
+                counts[p] += delta
 
     def any(self, pages: np.ndarray[Any, np.dtype[np.int64]]) -> bool:
-        return bool(pages.size) and bool(self.counts[pages].any())
+        counts = self.counts
+        if pages.size > self.SMALL:
+            return bool(counts[pages].any())
+        return any(counts[p] for p in pages.tolist())
 
 
 def _unique_events(
@@ -336,40 +354,57 @@ class _HostSlots:
     The host pool and its allocator, the device (for collectives), holds on
     host pages that a storage call reads or fills (the same per-page counts
     that copies keep, so `free_host` refuses such pages), and the fault
-    callback. Loop thread only.
+    callback. Built by the controller from its own parts; loop thread only.
+
+    Args:
+        pool, allocator, device: what the properties return.
+        busy: the controller's per-page use counts of the host pool.
+        released: called after a hold ends (the controller's settle callbacks).
+        failed: called with a tier its fault policy gave up on.
     """
 
-    __slots__ = ("_ctl",)
+    __slots__ = ("_allocator", "_busy", "_device", "_failed", "_pool", "_released")
 
-    def __init__(self, controller: TierController) -> None:
-        self._ctl = controller
+    def __init__(
+        self,
+        pool: HostKVPool,
+        allocator: PageAllocator,
+        device: torch.device,
+        busy: _BusyPages,
+        released: Callable[[], None],
+        failed: Callable[[StorageTier], None],
+    ) -> None:
+        self._pool = pool
+        self._allocator = allocator
+        self._device = device
+        self._busy = busy
+        self._released = released
+        self._failed = failed
 
     @property
     def pool(self) -> HostKVPool:
-        return self._ctl.host_pool
+        return self._pool
 
     @property
     def allocator(self) -> PageAllocator:
-        return self._ctl.host_allocator
+        return self._allocator
 
     @property
     def device(self) -> torch.device:
-        return self._ctl.device_pool.device
+        return self._device
 
     def hold(self, host_indices: torch.Tensor) -> None:
         """Mark host slots in use by a storage call (they may not be freed)."""
-        busy = self._ctl._busy_host
-        busy.add(busy.pages(host_indices), +1)
+        self._busy.add(self._busy.pages(host_indices), +1)
 
     def release(self, host_indices: torch.Tensor) -> None:
         """End a `hold`; runs the controller's settle callbacks (the pages may be freed now)."""
-        busy = self._ctl._busy_host
-        busy.add(busy.pages(host_indices), -1)
-        self._ctl._notify_settled()
+        self._busy.add(self._busy.pages(host_indices), -1)
+        self._released()
 
     def storage_failed(self, tier: StorageTier) -> None:
-        """The fault policy gave up on ``tier``: detach it in the background."""
-        self._ctl._storage_failed(tier)
+        """The fault policy gave up on ``tier``: the controller detaches it in the background."""
+        self._failed(tier)
 
 
 class TierController(AsyncResource):
@@ -431,6 +466,7 @@ class TierController(AsyncResource):
         tasks: TaskGroup | None = None,
     ) -> None:
         self.engine = CopyEngine(device_pool, host_pool)
+        self._cuda = device_pool.device.type == "cuda"
         self.layout = device_pool.layout
         self.device_pool = device_pool
         self.host_pool = host_pool
@@ -466,7 +502,6 @@ class TierController(AsyncResource):
         self._storage_lock = asyncio.Lock()
         self._owns_tasks = tasks is None
         self.tasks = TaskGroup("controller") if tasks is None else tasks
-        self._slots = _HostSlots(self)
         self._settle_callbacks: list[Callable[[], None]] = []
         self._idle_waiters: list[asyncio.Future[None]] = []
         self.layer_done_counter = LayerDoneCounter(self.layout.num_layers)
@@ -484,6 +519,14 @@ class TierController(AsyncResource):
         # Pages with a copy queued or running, per pool: they may not be freed.
         self._busy_device = _BusyPages(self.device_allocator.num_pages, ps)
         self._busy_host = _BusyPages(self.host_allocator.num_pages, ps)
+        self._slots = _HostSlots(
+            host_pool,
+            self.host_allocator,
+            device_pool.device,
+            self._busy_host,
+            self._notify_settled,
+            self._storage_failed,
+        )
         # Host pages a write fills (queued or not settled): loads of them wait.
         self._writing_host = _BusyPages(self.host_allocator.num_pages, ps)
         self._write_jobs: set[_WriteJob] = set()
@@ -654,8 +697,10 @@ class TierController(AsyncResource):
         node_id: int | None,
         track: bool,
     ) -> _Operation:
-        loop = self._check_open()
-        priority = check_int(priority, "priority")
+        loop = self._loop
+        assert loop is not None  # the submitting verb checked the controller is open
+        if priority.__class__ is not int:
+            priority = check_int(priority, "priority")
         nid = next(self._ids) if node_id is None else node_id
         ack = CopyAck(kind, nid, host, dev, loop.create_future())
         op = _Operation(
@@ -688,7 +733,7 @@ class TierController(AsyncResource):
                 CUDA stream of the pool's device, or is given for a CPU pool.
         """
         device = self.device_pool.device
-        if device.type != "cuda":
+        if not self._cuda:
             if ready is not None:
                 raise InvalidInputError(
                     f"{what}: ready names a CUDA stream or event, but the device pool is on {device}"
@@ -716,7 +761,7 @@ class TierController(AsyncResource):
     def _pinned_indices(self, indices: torch.Tensor) -> torch.Tensor:
         """CUDA: ``indices`` in pinned memory, so the plan's host->device index copy
         is asynchronous on the copy stream (not a pageable copy that waits)."""
-        if self.device_pool.device.type == "cuda" and not indices.is_pinned():
+        if self._cuda and not indices.is_pinned():
             return indices.pin_memory()
         return indices
 
@@ -1167,8 +1212,15 @@ class TierController(AsyncResource):
         return ack.device_indices
 
     async def _await_or_release(self, ack: CopyAck, release: Callable[[], None]) -> None:
+        """Wait for a private ack (made by `backup` / `load_back`, never handed out).
+
+        Its future is awaited directly, not through a shield: nobody else
+        waits on it, so a cancellation may cancel it, and the awaiter wakes
+        one loop iteration sooner. The ack still settles (and runs
+        ``release``) once its copy has.
+        """
         try:
-            await ack
+            await ack._future
         except asyncio.CancelledError:
             ack.add_done_callback(lambda _a: release())
             raise
@@ -1208,7 +1260,7 @@ class TierController(AsyncResource):
         dev = check_slot_indices(
             device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
         )
-        if self.ack_busy("device", dev):
+        if self._busy_device.any(self._busy_device.pages(dev)):
             raise StateError("device slots with a copy in flight cannot be freed; await its ack")
         self.fence_device_reads(ready)
         self.device_allocator.free(dev, checked=True)
@@ -1242,7 +1294,7 @@ class TierController(AsyncResource):
         host = check_slot_indices(
             host_indices, self.layout.page_size, self.host_pool.num_slots, "host_indices"
         )
-        if self.ack_busy("host", host):
+        if self._busy_host.any(self._busy_host.pages(host)):
             raise StateError("host slots with a copy in flight cannot be freed; await its ack")
         self.host_allocator.free(host, checked=True)
         self._notify_settled()

@@ -380,3 +380,23 @@ def test_verbs_that_free_slots_are_named_free_and_write_policy_is_gone() -> None
     with pytest.raises(TypeError):
         TierController(DeviceKVPool(lay, 32), HostKVPool(lay, 32), write_policy="write_back")  # type: ignore[call-arg]
     assert "policy" not in repr(make())
+
+
+async def test_a_cancelled_backup_keeps_its_slots_until_its_copy_settles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with make(inline_copy_bytes=0) as c:
+        gate = Gate(c, monkeypatch)
+        free_before = c.host_allocator.available
+        task = asyncio.ensure_future(c.backup(dev_slots(c)))
+        await until_set(gate.entered)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert c.busy
+        assert c.host_allocator.available == free_before - PS  # still being written
+        gate.open.set()
+        await c.wait_idle()  # the release ran as the ack's callback, before the ack settled
+        assert c.host_allocator.available == free_before
