@@ -144,12 +144,12 @@ class _Shape:
                 for _ in range(ops):
                     h = await c.backup(self.dev[i])
                     assert h is not None
-                    c.evict_host(h)
+                    c.free_host(h)
             else:
                 for _ in range(ops):
                     d = await c.load_back(self.host[i])
                     assert d is not None
-                    c.evict_device(d)
+                    c.free_device(d)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(i, n // conc) for i in range(conc)))
@@ -238,8 +238,8 @@ async def _lag(total_bytes: int, rounds: int) -> dict[str, Any]:
         assert h is not None
         back = await c.load_back(h)
         assert back is not None
-        c.evict_host(h)
-        c.evict_device(back)
+        c.free_host(h)
+        c.free_device(back)
 
         # Idle lag: the loop's own timer granularity, with nothing moving.
         tick = asyncio.create_task(ticker())
@@ -259,8 +259,8 @@ async def _lag(total_bytes: int, rounds: int) -> dict[str, Any]:
             back = await c.load_back(h)
             assert back is not None
             durations.append(time.perf_counter() - t0)
-            c.evict_host(h)
-            c.evict_device(back)
+            c.free_host(h)
+            c.free_device(back)
         stop.set()
         await tick
     duration = sum(durations) / len(durations)

@@ -86,9 +86,9 @@ async def _measure(mib: int, repeat: int) -> dict[str, Any]:
                 handle.wait_layer_device(layer)
             blocked = time.perf_counter() - t0
             await handle
-            c.evict_device(d)
-            c.evict_device(d2)
-            c.evict_host(h)
+            c.free_device(d)
+            c.free_device(d2)
+            c.free_host(h)
             if rnd:
                 best["backup"] = min(best["backup"], t_backup)
                 best["load"] = min(best["load"], t_load)

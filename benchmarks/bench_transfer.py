@@ -197,7 +197,7 @@ def _controller_ops(
 
     async def backup() -> float:
         if "host" in held:
-            c.evict_host(held.pop("host"))
+            c.free_host(held.pop("host"))
         t0 = time.perf_counter()
         host = await c.backup(dev)
         dt = time.perf_counter() - t0
@@ -212,7 +212,7 @@ def _controller_ops(
         back = await c.load_back(held["host"])
         dt = time.perf_counter() - t0
         assert back is not None
-        c.evict_device(back)
+        c.free_device(back)
         return dt
 
     return backup, load_back
@@ -236,7 +236,7 @@ async def _controller_rows(
             cold = await c.backup(dev)
             t_cold = time.perf_counter() - t0
             assert cold is not None
-            c.evict_host(cold)
+            c.free_host(cold)
             _warm(host)
             backup, load_back = _controller_ops(c, dev)
             base = _sync_timer(memcpy.fn(nbytes))

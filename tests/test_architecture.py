@@ -32,31 +32,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "tiercache"
 
 #: Strongly connected groups of modules that import each other (sorted names).
-KNOWN_CYCLES: frozenset[tuple[str, ...]] = frozenset(
-    {
-        ("tiercache.controller", "tiercache.storage_tier"),
-    }
-)
+KNOWN_CYCLES: frozenset[tuple[str, ...]] = frozenset()
 
 #: (importing module's path, the forbidden module it reaches).
-KNOWN_LAYER_VIOLATIONS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("tiercache/storage_tier.py", "tiercache.controller"),
-    }
-)
+KNOWN_LAYER_VIOLATIONS: frozenset[tuple[str, str]] = frozenset()
 
 #: (module's path, the private attribute of another module it reads or sets).
-KNOWN_PRIVATE_ACCESS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("tiercache/cache.py", "_done"),
-        ("tiercache/cache.py", "_future"),
-        ("tiercache/cache.py", "_inflight"),
-        ("tiercache/cache.py", "_write_queue"),
-        ("tiercache/controller.py", "_released"),
-        ("tiercache/storage_tier.py", "_background"),
-        ("tiercache/storage_tier.py", "_hold_host"),
-    }
-)
+KNOWN_PRIVATE_ACCESS: frozenset[tuple[str, str]] = frozenset()
 
 #: Documented public methods that start with an underscore (``collections.namedtuple``'s,
 #: e.g. ``urlsplit(url)._replace(...)``): not private.

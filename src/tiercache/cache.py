@@ -79,43 +79,6 @@ _T = TypeVar("_T")
 # moving to a public name; the rest of the module calls these helpers only.
 
 
-def _ctl_busy(ctl: TierController) -> bool:
-    """Whether a copy is queued, in flight or about to start (``ctl.busy``)."""
-    return bool(ctl._inflight or ctl._write_queue or ctl._load_start_scheduled)
-
-
-def _ctl_on_settle(ctl: TierController, fn: Callable[[], None]) -> Callable[[], None]:
-    """Call ``fn`` each time a copy settles or slots are freed; returns its remover.
-
-    (``ctl.add_settle_callback(fn)``.) Until the controller offers it, the
-    facade wakes room waiters from its own copies' callbacks and its own frees.
-    """
-    return lambda: None
-
-
-def _ctl_free_device(ctl: TierController, dev: torch.Tensor, *, ready: Ready = None) -> None:
-    """Free device slots through the controller (``ctl.free_device``)."""
-    ctl.evict_device(dev, ready=ready)
-
-
-def _ctl_free_host(ctl: TierController, host: torch.Tensor) -> None:
-    """Free host slots through the controller (``ctl.free_host``)."""
-    ctl.evict_host(host)
-
-
-def _new_controller(
-    device_pool: DeviceKVPool, host_pool: HostKVPool, tasks: TaskGroup, **kwargs: Any
-) -> TierController:
-    """The cache's controller, spawning into the cache's group (``TierController(..., tasks=tasks)``)."""
-    return TierController(device_pool, host_pool, **kwargs)
-
-
-def _on_loaded(handle: LoadHandle, fn: Callable[[], None]) -> None:
-    """Call ``fn`` once ``handle``'s load has settled, before any awaiter of it resumes
-    (``handle.add_done_callback``)."""
-    handle._future.add_done_callback(lambda _f: fn())
-
-
 class _RoomQueue:
     """Tasks waiting for room in one pool, served first come, first served.
 
@@ -383,10 +346,10 @@ class TierCache(AsyncResource):
             dev, host = await asyncio.to_thread(build)
         except (RuntimeError, MemoryError) as e:  # torch's out-of-memory is a RuntimeError
             raise CapacityError(f"cannot allocate the KV pools: {e}") from e
-        ctl = _new_controller(
+        ctl = TierController(
             dev,
             host,
-            self.tasks,
+            tasks=self.tasks,
             device_allocator=self._device_allocator,
             model=cfg.model,
             tp_rank=cfg.tp_rank,
@@ -402,7 +365,7 @@ class TierCache(AsyncResource):
             await ctl.aclose()
             raise
         self._controller = ctl
-        self._forget_settle = _ctl_on_settle(ctl, self._notify_room)
+        self._forget_settle = ctl.add_settle_callback(self._notify_room)
         self._index_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
         self._request_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
         self.state = CacheState.OPEN
@@ -638,7 +601,7 @@ class TierCache(AsyncResource):
         return (
             others_open <= 0
             and outside <= max(own, 0)
-            and not _ctl_busy(ctl)
+            and not ctl.busy
             and not self._pending_loads
             and len(self._own) <= len(self._deferred_writes)  # those free no device room
             and len(self._device_queue) <= 1
@@ -680,7 +643,7 @@ class TierCache(AsyncResource):
             raise InvalidInputError(
                 "free_device: some of these slots belong to an open request (it frees them)"
             )
-        _ctl_free_device(ctl, dev, ready=ready_ev)
+        ctl.free_device(dev, ready=ready_ev)
         self._notify_room()
 
     def _pages(self, dev: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
@@ -812,7 +775,7 @@ class TierCache(AsyncResource):
         """Free the device copy of a node that has a host copy; returns slots freed."""
         dev = self.index.mark_device_evicted(node)
         self._set_index_pages(dev, False)
-        _ctl_free_device(ctl, dev)
+        ctl.free_device(dev)
         self._stats.device_evictions += 1
         self._stats.device_evicted_tokens += dev.numel()
         return int(dev.numel())
@@ -825,7 +788,7 @@ class TierCache(AsyncResource):
         assert dev is not None
         self.index.remove(node)
         self._set_index_pages(dev, False)
-        _ctl_free_device(ctl, dev)
+        ctl.free_device(dev)
         self._stats.device_evictions += 1
         self._stats.device_evicted_tokens += dev.numel()
         return int(dev.numel())
@@ -871,7 +834,7 @@ class TierCache(AsyncResource):
         load back (it locks its nodes)."""
         ctl = self.controller
         return bool(
-            _ctl_busy(ctl)
+            ctl.busy
             or self._backups
             or self._pending_loads
             or (ctl.storage is not None and ctl.storage.busy)
@@ -929,7 +892,7 @@ class TierCache(AsyncResource):
             if ctl.ack_busy("host", host):
                 continue
             self.index.remove(node)
-            _ctl_free_host(ctl, host)
+            ctl.free_host(host)
             freed += host.numel()
             self._stats.host_evictions += 1
             self._stats.host_evicted_tokens += host.numel()
@@ -1334,7 +1297,7 @@ class TierCache(AsyncResource):
         # On the handle, not the ack: its callbacks run before any awaiter of
         # the handle (or of a later request) sees the load end, so the
         # rollback of a failed load is done by then.
-        _on_loaded(handle, self._settle_loads)
+        handle.add_done_callback(lambda _h: self._settle_loads())
         return ack, handle
 
     def _settle_loads(self) -> None:
@@ -1659,7 +1622,7 @@ class TierCache(AsyncResource):
             await asyncio.sleep(0)
             if (
                 not self._own
-                and not _ctl_busy(ctl)
+                and not ctl.busy
                 and not self.index.pending_writes()
                 and (ctl.storage is None or not ctl.storage.busy)
             ):
@@ -1901,6 +1864,6 @@ class Request:
         for slots in self._owned:
             if slots.numel():
                 cache._request_pages[cache._pages(slots)] = False
-                _ctl_free_device(ctl, slots)
+                ctl.free_device(slots)
         self._owned = []
         cache._notify_room()

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from tiercache._checks import check_bool, check_choice, check_int, check_number, parse_bool
-from tiercache.controller import WRITE_POLICIES
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.memory.layout import SUPPORTED_DTYPES, KVLayout, dtype_name
 from tiercache.memory.pools import HOST_LAYOUTS
@@ -22,6 +21,7 @@ from tiercache.storage_tier import FAULT_POLICIES, StorageTierConfig
 __all__ = ["PREFETCH_POLICIES", "WRITE_POLICIES", "TierCacheConfig"]
 
 PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
+WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_through_selective", "write_back")
 _DTYPES = {dtype_name(d): d for d in SUPPORTED_DTYPES}
 _ENV_PREFIX = "TIERCACHE_"
 

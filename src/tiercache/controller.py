@@ -21,13 +21,14 @@ import enum
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
 import numpy as np
 import torch
 
+from tiercache._checks import check_bool, check_choice, check_int
 from tiercache._resource import AsyncResource
 from tiercache._tasks import TaskGroup
 from tiercache.errors import (
@@ -58,7 +59,6 @@ from tiercache.transfer.streams import Completion, CopyStream, new_event
 Ready = torch.cuda.Event | torch.cuda.Stream | None
 
 __all__ = [
-    "WRITE_POLICIES",
     "Ready",
     "ControllerState",
     "ControllerStats",
@@ -68,8 +68,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_through_selective", "write_back")
 
 
 class ControllerState(enum.Enum):
@@ -95,15 +93,101 @@ class ControllerStats:
     storage_auto_detaches: int = 0
 
 
-class CopyAck:
+class _Completion:
+    """The public completion shared by `CopyAck` and `LoadHandle`.
+
+    The controller settles it on the loop thread once its copy has settled
+    and its own bookkeeping is done (slots released, stats counted). Done
+    callbacks then run at once, in registration order, before any task
+    awaiting the completion resumes.
+    """
+
+    __slots__ = ("_callbacks", "_future", "_settled")
+
+    def __init__(self, future: asyncio.Future[None]) -> None:
+        self._future = future
+        self._callbacks: list[Callable[[Any], None]] | None = None
+        self._settled = False
+
+    def done(self) -> bool:
+        """Whether the copy has settled (succeeded, failed or was cancelled by `reset`)."""
+        return self._settled
+
+    def failed(self) -> bool:
+        """Whether the copy has settled with an error (or was cancelled)."""
+        return self._settled and (self._future.cancelled() or self._future.exception() is not None)
+
+    def add_done_callback(self, fn: Callable[[Self], None]) -> None:
+        """Call ``fn(self)`` on the loop thread once the copy has settled.
+
+        Callbacks run in registration order, after the controller's
+        bookkeeping for the copy and before awaiting tasks resume. Registered
+        after it settled, ``fn`` runs on the next loop iteration. An exception
+        from ``fn`` goes to the loop's exception handler. Loop thread only.
+        """
+        if self._settled:
+            self._future.get_loop().call_soon(fn, self)
+        elif self._callbacks is None:
+            self._callbacks = [fn]
+        else:
+            self._callbacks.append(fn)
+
+    async def wait(self) -> None:
+        """Wait for the copy to settle; cancelling the waiter does not cancel the copy.
+
+        Raises:
+            The copy's failure (``asyncio.CancelledError`` after `reset` dropped it).
+        """
+        await asyncio.shield(self._future)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return asyncio.shield(self._future).__await__()
+
+    def _settle(self, error: BaseException | None) -> None:
+        """Resolve the completion and run its callbacks (loop thread, the controller only).
+
+        The future may already be cancelled: `TierController.backup` and
+        `load_back` await a private ack's future directly, and cancelling
+        them cancels it. The callbacks still run once the copy has settled.
+        """
+        if self._settled:
+            return
+        self._settled = True
+        fut = self._future
+        if fut.done():
+            pass
+        elif error is None:
+            fut.set_result(None)
+        elif isinstance(error, asyncio.CancelledError):
+            fut.cancel()
+        else:
+            fut.set_exception(error)
+            fut.exception()  # reported to awaiters; nobody awaiting is fine
+        callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            _run_callback(fut.get_loop(), fn, self)
+
+
+def _run_callback(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """Call ``fn(*args)``; an exception goes to the loop's handler, not to the caller."""
+    try:
+        fn(*args)
+    except Exception as e:
+        loop.call_exception_handler(
+            {"message": f"tiercache callback {fn!r} failed", "exception": e}
+        )
+
+
+class CopyAck(_Completion):
     """Completion of one write (device->host) or load (host->device) operation.
 
-    Await it (``await ack``) to wait for the bytes to be in place; cancelling
-    the awaiting task does not cancel the copy. ``host_indices`` and
+    Await it (``await ack`` or ``await ack.wait()``) to wait for the bytes to
+    be in place; cancelling the awaiting task does not cancel the copy.
+    ``add_done_callback`` runs code once it has settled. ``host_indices`` and
     ``device_indices`` are the slots involved; the caller owns them.
     """
 
-    __slots__ = ("_future", "device_indices", "host_indices", "kind", "node_id")
+    __slots__ = ("device_indices", "host_indices", "kind", "node_id")
 
     def __init__(
         self,
@@ -113,40 +197,29 @@ class CopyAck:
         device_indices: torch.Tensor,
         future: asyncio.Future[None],
     ) -> None:
+        super().__init__(future)
         self.kind = kind
         self.node_id = node_id
         self.host_indices = host_indices
         self.device_indices = device_indices
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def failed(self) -> bool:
-        return self._future.done() and (
-            self._future.cancelled() or self._future.exception() is not None
-        )
-
-    def add_done_callback(self, fn: Callable[[CopyAck], None]) -> None:
-        self._future.add_done_callback(lambda _f: fn(self))
-
-    def __await__(self) -> Generator[Any, None, None]:
-        return asyncio.shield(self._future).__await__()
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"CopyAck({self.kind}, node_id={self.node_id}, tokens={self.host_indices.numel()}, {state})"
 
 
-class LoadHandle:
+class LoadHandle(_Completion):
     """A started layer-by-layer load.
 
     ``await handle.layer(i)`` returns once layer ``i`` is on the device;
-    ``await handle`` once every layer is. A synchronous forward pass running in
+    ``await handle`` (or ``await handle.wait()``) once every layer is, and
+    ``add_done_callback`` runs code then. A synchronous forward pass running in
     a worker thread calls ``handle.wait_layer(i)`` instead, and on CUDA
     ``handle.wait_layer_device(i)`` makes the compute stream wait without
     blocking the host. ``producer_id`` is the `LayerDoneCounter` set it uses.
     """
+
+    __slots__ = ("acks", "device_indices", "host_indices", "layers", "producer_id")
 
     def __init__(
         self,
@@ -157,12 +230,12 @@ class LoadHandle:
         future: asyncio.Future[None],
         acks: list[CopyAck],
     ) -> None:
+        super().__init__(future)
         self.producer_id = producer_id
         self.host_indices = host_indices
         self.device_indices = device_indices
         self.layers = layers
         self.acks = acks
-        self._future = future
 
     @property
     def num_layers(self) -> int:
@@ -178,12 +251,6 @@ class LoadHandle:
         """Make ``stream`` (default: the calling thread's current stream of the
         pool's device) wait for layer ``i`` on the GPU; see `LayerDoneSet.wait_device`."""
         self.layers.wait_device(i, stream)
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def __await__(self) -> Generator[Any, None, None]:
-        return asyncio.shield(self._future).__await__()
 
     def __repr__(self) -> str:
         return f"LoadHandle(producer={self.producer_id}, tokens={self.device_indices.numel()}, done={self.done()})"
@@ -221,9 +288,13 @@ class _BusyPages:
 
     A numpy array rather than a tensor: an operation touches a handful of
     pages, and numpy's fancy indexing costs about a microsecond where a torch
-    op costs several. Pages within one update are unique (they come from one
-    allocation), so ``counts[pages] += delta`` is exact.
+    op costs several; for a few pages a loop over scalars is cheaper still
+    (no index array, no temporary). Pages within one update are unique (they
+    come from one allocation), so ``counts[pages] += delta`` is exact.
     """
+
+    #: Updates of at most this many pages loop over them one by one.
+    SMALL = 8
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.page_size = page_size
@@ -234,11 +305,18 @@ class _BusyPages:
         return indices.numpy()[:: self.page_size] // self.page_size
 
     def add(self, pages: np.ndarray[Any, np.dtype[np.int64]], delta: int) -> None:
-        if pages.size:
-            self.counts[pages] += delta
+        counts = self.counts
+        if pages.size > self.SMALL:
+            counts[pages] += delta
+        else:
+            for p in pages.tolist():
+                counts[p] += delta
 
     def any(self, pages: np.ndarray[Any, np.dtype[np.int64]]) -> bool:
-        return bool(pages.size) and bool(self.counts[pages].any())
+        counts = self.counts
+        if pages.size > self.SMALL:
+            return bool(counts[pages].any())
+        return any(counts[p] for p in pages.tolist())
 
 
 def _unique_events(
@@ -252,6 +330,14 @@ def _unique_events(
     return out
 
 
+def _merged(ops: list[_Operation]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The host and device slots of ``ops`` in priority order (lower first; stable)."""
+    if len(ops) == 1:
+        return ops[0].host_indices, ops[0].device_indices
+    ops.sort(key=lambda o: o.priority)
+    return torch.cat([o.host_indices for o in ops]), torch.cat([o.device_indices for o in ops])
+
+
 def _wait_exception(fut: concurrent.futures.Future[None]) -> BaseException | None:
     """Block (a copy worker thread) until ``fut`` is done; return its exception."""
     concurrent.futures.wait([fut])
@@ -262,24 +348,63 @@ def _mark_done(layers: LayerDoneSet, i: int) -> Callable[[], None]:
     return lambda: layers.mark_done(i)
 
 
-class _ControllerHostSlots:
-    """The controller's host pool as its storage tier sees it (`HostSlots`)."""
+class _HostSlots:
+    """The slice of a controller its storage tier may use (`storage_tier.HostSlots`).
 
-    def __init__(self, controller: TierController) -> None:
-        self._ctl = controller
-        self.pool = controller.host_pool
-        self.allocator = controller.host_allocator
-        self.device = controller.device_pool.device
+    The host pool and its allocator, the device (for collectives), holds on
+    host pages that a storage call reads or fills (the same per-page counts
+    that copies keep, so `free_host` refuses such pages), and the fault
+    callback. Built by the controller from its own parts; loop thread only.
+
+    Args:
+        pool, allocator, device: what the properties return.
+        busy: the controller's per-page use counts of the host pool.
+        released: called after a hold ends (the controller's settle callbacks).
+        failed: called with a tier its fault policy gave up on.
+    """
+
+    __slots__ = ("_allocator", "_busy", "_device", "_failed", "_pool", "_released")
+
+    def __init__(
+        self,
+        pool: HostKVPool,
+        allocator: PageAllocator,
+        device: torch.device,
+        busy: _BusyPages,
+        released: Callable[[], None],
+        failed: Callable[[StorageTier], None],
+    ) -> None:
+        self._pool = pool
+        self._allocator = allocator
+        self._device = device
+        self._busy = busy
+        self._released = released
+        self._failed = failed
+
+    @property
+    def pool(self) -> HostKVPool:
+        return self._pool
+
+    @property
+    def allocator(self) -> PageAllocator:
+        return self._allocator
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
 
     def hold(self, host_indices: torch.Tensor) -> None:
-        self._ctl._hold_host(host_indices, +1)
+        """Mark host slots in use by a storage call (they may not be freed)."""
+        self._busy.add(self._busy.pages(host_indices), +1)
 
     def release(self, host_indices: torch.Tensor) -> None:
-        self._ctl._hold_host(host_indices, -1)
+        """End a `hold`; runs the controller's settle callbacks (the pages may be freed now)."""
+        self._busy.add(self._busy.pages(host_indices), -1)
+        self._released()
 
     def storage_failed(self, tier: StorageTier) -> None:
-        self._ctl.stats.storage_auto_detaches += 1
-        self._ctl._background(self._ctl.detach_storage_backend(tier=tier))
+        """The fault policy gave up on ``tier``: the controller detaches it in the background."""
+        self._failed(tier)
 
 
 class TierController(AsyncResource):
@@ -300,7 +425,6 @@ class TierController(AsyncResource):
         device_pool, host_pool: the L1 and L2 pools (same `KVLayout`).
         device_allocator, host_allocator: the pools' allocators (created when
             not given; pass the engine's own device allocator to share it).
-        write_policy: one of `WRITE_POLICIES` (used by the cache facade).
         auto_start_writes: start queued writes on the next loop iteration.
         track_acks: keep finished write acks for `drain_acks` (what an
             engine's scheduler tick polls).
@@ -314,9 +438,13 @@ class TierController(AsyncResource):
         tp_group: a ``torch.distributed`` process group over the TP ranks:
             prefetch hit counts are agreed across it (MIN).
         storage_config: prefetch / backup knobs (`StorageTierConfig`).
+        tasks: the task group background work runs in (a `TierCache` passes
+            its own; by default the controller makes one and closes it in
+            `aclose`). A background failure is raised once, by the next
+            verb that checks the controller is open or by `aclose`.
 
     Raises:
-        ConfigError: unknown write policy.
+        ConfigError: a bad ``inline_copy_bytes``, ``auto_start_writes`` or ``track_acks``.
         InvalidInputError: pools or allocators that do not match.
     """
 
@@ -327,7 +455,6 @@ class TierController(AsyncResource):
         *,
         device_allocator: PageAllocator | None = None,
         host_allocator: PageAllocator | None = None,
-        write_policy: str = "write_through",
         auto_start_writes: bool = True,
         track_acks: bool = True,
         inline_copy_bytes: int = 256 * 1024,
@@ -336,10 +463,10 @@ class TierController(AsyncResource):
         tp_size: int = 1,
         tp_group: Any = None,
         storage_config: StorageTierConfig | None = None,
+        tasks: TaskGroup | None = None,
     ) -> None:
-        if write_policy not in WRITE_POLICIES:
-            raise ConfigError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
         self.engine = CopyEngine(device_pool, host_pool)
+        self._cuda = device_pool.device.type == "cuda"
         self.layout = device_pool.layout
         self.device_pool = device_pool
         self.host_pool = host_pool
@@ -354,18 +481,13 @@ class TierController(AsyncResource):
                 raise InvalidInputError(
                     f"{name} does not match its pool ({alloc} vs {pool_slots} slots)"
                 )
-        self.write_policy = write_policy
-        self.auto_start_writes = auto_start_writes
-        if (
-            isinstance(inline_copy_bytes, bool)
-            or not isinstance(inline_copy_bytes, int)
-            or inline_copy_bytes < 0
-        ):
-            raise ConfigError(
-                f"inline_copy_bytes must be a non-negative int, got {inline_copy_bytes!r}"
-            )
-        self.inline_copy_bytes = inline_copy_bytes
-        self.track_acks = track_acks
+        self.auto_start_writes = check_bool(
+            auto_start_writes, "auto_start_writes", error=ConfigError
+        )
+        self.inline_copy_bytes = check_int(
+            inline_copy_bytes, "inline_copy_bytes", minimum=0, error=ConfigError
+        )
+        self.track_acks = check_bool(track_acks, "track_acks", error=ConfigError)
         self.state = ControllerState.CREATED
         self.stats = ControllerStats()
         # Validates model / TP fields now rather than at attach time.
@@ -378,7 +500,10 @@ class TierController(AsyncResource):
         self.storage_config = storage_config or StorageTierConfig()
         self.storage: StorageTier | None = None
         self._storage_lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._owns_tasks = tasks is None
+        self.tasks = TaskGroup("controller") if tasks is None else tasks
+        self._settle_callbacks: list[Callable[[], None]] = []
+        self._idle_waiters: list[asyncio.Future[None]] = []
         self.layer_done_counter = LayerDoneCounter(self.layout.num_layers)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._write_stream: CopyStream | None = None
@@ -388,12 +513,20 @@ class TierController(AsyncResource):
         self._write_start_scheduled = False
         self._load_start_scheduled = False
         self._finished: deque[CopyAck] = deque()
-        self._inflight: set[asyncio.Future[None]] = set()
+        self._inflight = 0  # copy jobs started and not yet settled on the loop
         self._closed = asyncio.Event()
         self._ids = itertools.count()
         # Pages with a copy queued or running, per pool: they may not be freed.
         self._busy_device = _BusyPages(self.device_allocator.num_pages, ps)
         self._busy_host = _BusyPages(self.host_allocator.num_pages, ps)
+        self._slots = _HostSlots(
+            host_pool,
+            self.host_allocator,
+            device_pool.device,
+            self._busy_host,
+            self._notify_settled,
+            self._storage_failed,
+        )
         # Host pages a write fills (queued or not settled): loads of them wait.
         self._writing_host = _BusyPages(self.host_allocator.num_pages, ps)
         self._write_jobs: set[_WriteJob] = set()
@@ -428,48 +561,118 @@ class TierController(AsyncResource):
 
         Idempotent. If the closing task is cancelled, the streams are still
         stopped (after their current copy) and the cancellation propagates.
+
+        Raises:
+            StateError: a background task of the controller's own task group
+                failed and that failure was not raised before (a group passed
+                in as ``tasks`` is closed by its owner instead).
         """
         if self.state in (ControllerState.CLOSED, ControllerState.CREATED):
             self.state = ControllerState.CLOSED
+            if self._owns_tasks:
+                await self.tasks.aclose()
             return
         if self.state is ControllerState.CLOSING:
             await self._closed.wait()
             return
         self.state = ControllerState.CLOSING
         try:
-            while self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
-            if self.storage is not None:
+            async with self._storage_lock:  # after a detach in progress
                 tier, self.storage = self.storage, None
-                await tier.stop()
-            self._start_writes_now()
-            self._start_loads_now()
+                if tier is not None:
+                    await tier.stop()
+            self._start_loads_now()  # loads queued for a start_loading that never came
             await self.wait_idle()
         finally:
-            streams = [s for s in (self._write_stream, self._load_stream) if s is not None]
+            await self._close_streams()
+        if self._owns_tasks:
+            await self.tasks.aclose()
 
-            def close_streams() -> None:
-                for s in streams:
-                    s.close()
+    async def _close_streams(self) -> None:
+        """Stop both copy streams (after their current copy), then mark the controller closed."""
+        streams = [s for s in (self._write_stream, self._load_stream) if s is not None]
 
-            closer = asyncio.ensure_future(asyncio.to_thread(close_streams))
-            try:
-                await asyncio.shield(closer)
-            finally:
-                self.state = ControllerState.CLOSED
-                self._closed.set()
+        def close_streams() -> None:
+            for s in streams:
+                s.close()
+
+        closer = asyncio.ensure_future(asyncio.to_thread(close_streams))
+        try:
+            await asyncio.shield(closer)
+        finally:
+            self.state = ControllerState.CLOSED
+            self._closed.set()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a copy is in flight, queued to start, or about to start.
+
+        Writes queued for the next loop iteration count; loads queued for an
+        engine's `start_loading` count once a start is scheduled (as
+        `load_back` does). `wait_idle` returns once this is false.
+        """
+        return bool(self._inflight or self._write_queue or self._load_start_scheduled)
+
+    def add_settle_callback(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn()`` each time slots may have become free.
+
+        That is: each time a copy settles (success or failure), after the
+        controller's bookkeeping for it and its acks' callbacks; after
+        `free_device` / `free_host` have freed slots; and when a storage call
+        releases its hold on host slots. ``fn`` runs synchronously on the loop
+        thread and must not block; an exception from it goes to the loop's
+        exception handler. What a caller waiting for room uses instead of
+        polling.
+
+        Returns:
+            A function that removes ``fn`` (idempotent).
+        """
+        self._settle_callbacks.append(fn)
+
+        def remove() -> None:
+            if fn in self._settle_callbacks:
+                self._settle_callbacks.remove(fn)
+
+        return remove
+
+    def _notify_settled(self) -> None:
+        """Run the settle callbacks; wake `wait_idle` once nothing is in flight."""
+        if self._settle_callbacks:
+            loop = self._loop or asyncio.get_running_loop()
+            for fn in list(self._settle_callbacks):
+                _run_callback(loop, fn)
+        if not self._inflight and self._idle_waiters:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
 
     async def wait_idle(self) -> None:
-        """Return once no copy is queued or in flight (errors are not raised here)."""
-        while self._inflight or self._write_queue or self._load_start_scheduled:
-            if self._write_queue and not self._write_start_scheduled:
+        """Return once no copy is queued or in flight (copy errors are not raised here).
+
+        Starts what is queued to start, then sleeps until the last copy in
+        flight settles (woken by its completion, never by a timer).
+        """
+        while True:
+            if self._write_queue:
                 self._start_writes_now()
             if self._load_start_scheduled:
                 self._start_loads_now()
-            await asyncio.gather(*list(self._inflight), return_exceptions=True)
-            await asyncio.sleep(0)
+            if not self._inflight:
+                return
+            assert self._loop is not None
+            waiter = self._loop.create_future()
+            self._idle_waiters.append(waiter)
+            await waiter
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
+        """The controller's loop; raises a background failure not raised before.
+
+        Raises:
+            StateError: not open yet, or a background task failed.
+            ClosedError: closed.
+        """
+        self.tasks.raise_failure()
         if self.state is not ControllerState.OPEN:
             if self.state is ControllerState.CREATED:
                 raise StateError(
@@ -485,10 +688,6 @@ class TierController(AsyncResource):
         self._busy_host.add(op.host_pages, delta)
         self._busy_device.add(op.device_pages, delta)
 
-    def _hold_host(self, host_indices: torch.Tensor, delta: int) -> None:
-        """Mark host slots in use by a storage call (+1) or release them (-1)."""
-        self._busy_host.add(self._busy_host.pages(host_indices), delta)
-
     def _new_op(
         self,
         kind: Literal["write", "load"],
@@ -498,9 +697,10 @@ class TierController(AsyncResource):
         node_id: int | None,
         track: bool,
     ) -> _Operation:
-        loop = self._check_open()
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidInputError(f"priority must be an int, got {priority!r}")
+        loop = self._loop
+        assert loop is not None  # the submitting verb checked the controller is open
+        if priority.__class__ is not int:
+            priority = check_int(priority, "priority")
         nid = next(self._ids) if node_id is None else node_id
         ack = CopyAck(kind, nid, host, dev, loop.create_future())
         op = _Operation(
@@ -533,7 +733,7 @@ class TierController(AsyncResource):
                 CUDA stream of the pool's device, or is given for a CPU pool.
         """
         device = self.device_pool.device
-        if device.type != "cuda":
+        if not self._cuda:
             if ready is not None:
                 raise InvalidInputError(
                     f"{what}: ready names a CUDA stream or event, but the device pool is on {device}"
@@ -561,7 +761,7 @@ class TierController(AsyncResource):
     def _pinned_indices(self, indices: torch.Tensor) -> torch.Tensor:
         """CUDA: ``indices`` in pinned memory, so the plan's host->device index copy
         is asynchronous on the copy stream (not a pageable copy that waits)."""
-        if self.device_pool.device.type == "cuda" and not indices.is_pinned():
+        if self._cuda and not indices.is_pinned():
             return indices.pin_memory()
         return indices
 
@@ -592,7 +792,7 @@ class TierController(AsyncResource):
 
         Returns:
             The ack (with ``host_indices``), or ``None`` when host memory is full.
-            The caller owns the host slots (free them with `evict_host`).
+            The caller owns the host slots (free them with `free_host`).
 
         Raises:
             InvalidInputError: bad device indices or ``ready``.
@@ -657,9 +857,7 @@ class TierController(AsyncResource):
         if not ops or self._write_stream is None:
             return 0
         assert wjob is not None
-        ops.sort(key=lambda o: o.priority)
-        host = torch.cat([o.host_indices for o in ops])
-        dev = torch.cat([o.device_indices for o in ops])
+        host, dev = _merged(ops)
         readies = _unique_events(o.ready for o in ops)
         pinned = self._pinned_indices
         stream = self._write_stream
@@ -680,7 +878,7 @@ class TierController(AsyncResource):
         self.stats.write_batches += 1
         self.stats.bytes_device_to_host += nbytes
         self._write_jobs.add(wjob)
-        wjob.settled, _ = self._launch(stream, job, ops, None, nbytes, wjob)
+        wjob.settled = self._launch(stream, job, ops, nbytes, wjob=wjob)
         return len(ops)
 
     # -- host -> device -------------------------------------------------------
@@ -711,7 +909,7 @@ class TierController(AsyncResource):
                 attention kernels): an event recorded after them or their
                 stream. By default an event is recorded now on the calling
                 thread's current stream of the pool's device. Fences recorded
-                by `evict_device` are waited for as well.
+                by `free_device` are waited for as well.
 
         Returns:
             The ack (with ``device_indices``), or ``None`` when device memory is full.
@@ -776,28 +974,61 @@ class TierController(AsyncResource):
     def _start_loads_now(self) -> LoadHandle | None:
         self._load_start_scheduled = False
         ops, self._load_queue = self._load_queue, []
-        if not ops or self._load_stream is None or self._loop is None:
+        loop, stream = self._loop, self._load_stream
+        if not ops or stream is None or loop is None:
             return None
+        writes = self._writes_read_by(ops)
+        host, dev = _merged(ops)
+        readies = _unique_events([*(o.ready for o in ops), *self._device_fences])
+        self._device_fences = []  # the load stream waits for them once: later loads follow
+        producer_id, layers = self.layer_done_counter.update_producer(
+            loop, cuda=stream.is_cuda, device=self.device_pool.device
+        )
+        job = self._load_job(stream, host, dev, readies, writes, layers)
+        nbytes = host.numel() * self.layout.token_bytes
+        self.stats.load_batches += 1
+        self.stats.bytes_host_to_device += nbytes
+        handle = LoadHandle(
+            producer_id, host, dev, layers, loop.create_future(), [o.ack for o in ops]
+        )
+        # Never inline while a write it waits for runs: that wait would block the loop.
+        inline_ok = all(w.done() for w in writes)
+        self._launch(stream, job, ops, nbytes, handle=handle, inline_ok=inline_ok)
+        return handle
+
+    def _writes_read_by(self, ops: list[_Operation]) -> list[concurrent.futures.Future[None]]:
+        """The completions of the write jobs still filling host slots that ``ops`` read.
+
+        Starts those writes first if they are still queued (the loads read
+        what they put on the host).
+        """
         after: list[_WriteJob] = []
         for o in ops:
             for j in o.after or ():
                 if j not in after:
                     after.append(j)
         if any(j.settled is None for j in after):
-            self._start_writes_now()  # the load reads what those writes put on the host
-        ops.sort(key=lambda o: o.priority)
-        host = torch.cat([o.host_indices for o in ops])
-        dev = torch.cat([o.device_indices for o in ops])
-        pinned = self._pinned_indices
-        readies = _unique_events([*(o.ready for o in ops), *self._device_fences])
-        self._device_fences = []  # the load stream waits for them once: later loads follow
-        stream = self._load_stream
+            self._start_writes_now()
+        return [j.settled for j in after if j.settled is not None]
+
+    def _load_job(
+        self,
+        stream: CopyStream,
+        host: torch.Tensor,
+        dev: torch.Tensor,
+        readies: list[torch.cuda.Event],
+        writes: list[concurrent.futures.Future[None]],
+        layers: LayerDoneSet,
+    ) -> Callable[[], Completion]:
+        """The copy job of one merged load, run by the load stream, layer by layer.
+
+        It waits for the writes it reads and for ``readies``, then loads each
+        layer and reports it to ``layers`` (on CUDA: once its event fires).
+        On failure the stream settles before the failure is reported.
+        """
         engine = self.engine
+        pinned = self._pinned_indices
         num_layers = self.layout.num_layers
-        producer_id, layers = self.layer_done_counter.update_producer(
-            self._loop, cuda=stream.is_cuda, device=self.device_pool.device
-        )
-        writes = [j.settled for j in after if j.settled is not None]
 
         def job() -> Completion:
             try:
@@ -824,13 +1055,7 @@ class TierController(AsyncResource):
                 raise
             return Completion(steps, on_error=layers.mark_failed, keep=plan)
 
-        nbytes = host.numel() * self.layout.token_bytes
-        self.stats.load_batches += 1
-        self.stats.bytes_host_to_device += nbytes
-        # Never inline while a write it waits for runs: that wait would block the loop.
-        inline_ok = all(w.done() for w in writes)
-        _, done = self._launch(stream, job, ops, layers, nbytes, inline_ok=inline_ok)
-        return LoadHandle(producer_id, host, dev, layers, done, [o.ack for o in ops])
+        return job
 
     # -- completion -----------------------------------------------------------
 
@@ -839,52 +1064,76 @@ class TierController(AsyncResource):
         stream: CopyStream,
         job: Callable[[], Completion],
         ops: list[_Operation],
-        layers: LayerDoneSet | None,
         nbytes: int,
-        wjob: _WriteJob | None = None,
         *,
+        wjob: _WriteJob | None = None,
+        handle: LoadHandle | None = None,
         inline_ok: bool = True,
-    ) -> tuple[concurrent.futures.Future[None], asyncio.Future[None]]:
-        """Run ``job`` on ``stream``; settle ``ops`` on the loop once it has settled.
+    ) -> concurrent.futures.Future[None]:
+        """Run ``job`` on ``stream``; settle ``ops`` (and ``handle``) on the loop once it has settled.
 
-        Returns the job's thread-safe future and its loop future, both
-        resolved once every byte the job queued has landed (or, on failure,
-        once the stream has settled after it).
+        A small CPU copy on an idle stream runs here; otherwise the stream's
+        worker runs it. Either way the job is settled on the loop one hop
+        later (never inside this call: callers of the start verbs see their
+        acks settle on a later iteration, as with a copy off the loop).
+
+        Returns:
+            The job's thread-safe future, resolved once every byte the job
+            queued has landed (or, on failure, once the stream has settled
+            after it).
         """
-        assert self._loop is not None
-        cf: concurrent.futures.Future[None] = concurrent.futures.Future()
-        fut: asyncio.Future[None]
+        loop = self._loop
+        assert loop is not None
         if inline_ok and nbytes <= self.inline_copy_bytes and not stream.is_cuda and stream.idle:
             # A copy this small takes less time than waking the worker
             # thread and the loop again: run it here.
+            cf: concurrent.futures.Future[None] = concurrent.futures.Future()
             cf.set_running_or_notify_cancel()
-            fut = self._loop.create_future()
+            error: BaseException | None = None
             try:
                 stream.run_inline(job)
+            except BaseException as e:
+                error = e
+                cf.set_exception(e)
+            else:
                 cf.set_result(None)
-                fut.set_result(None)
-            except BaseException as e:
-                cf.set_exception(e)
-                fut.set_exception(e)
-        else:
-            try:
-                cf = stream.submit(job)
-            except BaseException as e:
-                cf.set_running_or_notify_cancel()
-                cf.set_exception(e)
-                if layers is not None:
-                    layers.mark_failed(e)
-            fut = asyncio.wrap_future(cf, loop=self._loop)
-        self._inflight.add(fut)
-        fut.add_done_callback(lambda f: self._finish(f, ops, wjob))
-        return cf, fut
+            self._inflight += 1
+            loop.call_soon(self._finish, error, ops, wjob, handle)
+            return cf
+        try:
+            cf = stream.submit(job)
+        except BaseException as e:
+            if handle is not None:
+                handle.layers.mark_failed(e)
+            self._inflight += 1
+            loop.call_soon(self._finish, e, ops, wjob, handle)
+            cf = concurrent.futures.Future()
+            cf.set_running_or_notify_cancel()
+            cf.set_exception(e)
+            return cf
+        self._inflight += 1
+
+        def settled(f: concurrent.futures.Future[None]) -> None:  # a worker thread
+            error = asyncio.CancelledError() if f.cancelled() else f.exception()
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._finish, error, ops, wjob, handle)
+
+        cf.add_done_callback(settled)
+        return cf
 
     def _finish(
-        self, fut: asyncio.Future[None], ops: list[_Operation], wjob: _WriteJob | None
+        self,
+        error: BaseException | None,
+        ops: list[_Operation],
+        wjob: _WriteJob | None,
+        handle: LoadHandle | None,
     ) -> None:
-        """The job has settled: release its pages and resolve its acks (loop thread)."""
-        self._inflight.discard(fut)
-        error = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+        """A job has settled: release its pages, then resolve its acks (loop thread).
+
+        Every page of the job is released before the first callback runs, and
+        the settle callbacks run last.
+        """
+        self._inflight -= 1
         if error is not None:
             self.stats.copy_errors += 1
             logger.warning(
@@ -892,17 +1141,17 @@ class TierController(AsyncResource):
             )
         if wjob is not None:
             self._write_jobs.discard(wjob)
+            self._writing_host.add(wjob.host_pages, -1)
         for op in ops:
             self._mark_busy(op, -1)
-            if op.ack.kind == "write":
-                self._writing_host.add(op.host_pages, -1)
-            if error is None:
-                op.ack._future.set_result(None)
-            else:
-                op.ack._future.set_exception(error)
-                op.ack._future.exception()  # reported to awaiters; nobody awaiting is fine
-            if op.track and op.ack.kind == "write" and self.track_acks:
+        tracked = self.track_acks
+        for op in ops:
+            op.ack._settle(error)
+            if tracked and op.track and wjob is not None:
                 self._finished.append(op.ack)
+        if handle is not None:
+            handle._settle(error)
+        self._notify_settled()
 
     def drain_acks(self) -> list[CopyAck]:
         """Finished write acks since the last call, oldest first (non-blocking).
@@ -963,8 +1212,15 @@ class TierController(AsyncResource):
         return ack.device_indices
 
     async def _await_or_release(self, ack: CopyAck, release: Callable[[], None]) -> None:
+        """Wait for a private ack (made by `backup` / `load_back`, never handed out).
+
+        Its future is awaited directly, not through a shield: nobody else
+        waits on it, so a cancellation may cancel it, and the awaiter wakes
+        one loop iteration sooner. The ack still settles (and runs
+        ``release``) once its copy has.
+        """
         try:
-            await ack
+            await ack._future
         except asyncio.CancelledError:
             ack.add_done_callback(lambda _a: release())
             raise
@@ -972,14 +1228,23 @@ class TierController(AsyncResource):
             release()
             raise
 
-    # -- eviction and reset ---------------------------------------------------
+    # -- freeing slots and reset ----------------------------------------------
 
     def ack_busy(self, pool: Literal["device", "host"], indices: torch.Tensor) -> bool:
-        """Whether any page of ``indices`` has a copy queued or in flight."""
-        busy = self._busy_device if pool == "device" else self._busy_host
-        return busy.any(busy.pages(indices.cpu()))
+        """Whether any page of ``indices`` has a copy queued or in flight (or a storage hold).
 
-    def evict_device(self, device_indices: torch.Tensor, *, ready: Ready = None) -> int:
+        Raises:
+            InvalidInputError: an unknown pool, or bad slots for that pool.
+        """
+        check_choice(pool, ("device", "host"), "pool")
+        if pool == "device":
+            busy, num_slots = self._busy_device, self.device_pool.num_slots
+        else:
+            busy, num_slots = self._busy_host, self.host_pool.num_slots
+        slots = check_slot_indices(indices, self.layout.page_size, num_slots, "indices")
+        return busy.any(busy.pages(slots))
+
+    def free_device(self, device_indices: torch.Tensor, *, ready: Ready = None) -> int:
         """Free device slots (their host copies, if any, stay). Returns slots freed.
 
         ``ready`` (CUDA only): the last readers of the slots, as an event or
@@ -995,10 +1260,11 @@ class TierController(AsyncResource):
         dev = check_slot_indices(
             device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
         )
-        if self.ack_busy("device", dev):
-            raise StateError("device slots with a copy in flight cannot be evicted; await its ack")
+        if self._busy_device.any(self._busy_device.pages(dev)):
+            raise StateError("device slots with a copy in flight cannot be freed; await its ack")
         self.fence_device_reads(ready)
         self.device_allocator.free(dev, checked=True)
+        self._notify_settled()
         return int(dev.numel())
 
     def fence_device_reads(self, ready: Ready = None) -> None:
@@ -1017,7 +1283,7 @@ class TierController(AsyncResource):
         if ev is not None:
             self._device_fences.append(ev)
 
-    def evict_host(self, host_indices: torch.Tensor) -> int:
+    def free_host(self, host_indices: torch.Tensor) -> int:
         """Free host slots. Returns slots freed.
 
         Raises:
@@ -1028,9 +1294,10 @@ class TierController(AsyncResource):
         host = check_slot_indices(
             host_indices, self.layout.page_size, self.host_pool.num_slots, "host_indices"
         )
-        if self.ack_busy("host", host):
-            raise StateError("host slots with a copy in flight cannot be evicted; await its ack")
+        if self._busy_host.any(self._busy_host.pages(host)):
+            raise StateError("host slots with a copy in flight cannot be freed; await its ack")
         self.host_allocator.free(host, checked=True)
+        self._notify_settled()
         return int(host.numel())
 
     async def reset(self) -> None:
@@ -1039,7 +1306,7 @@ class TierController(AsyncResource):
         await self.wait_idle()
         for op in self._load_queue:
             self._mark_busy(op, -1)
-            op.ack._future.cancel()
+            op.ack._settle(asyncio.CancelledError())
         self._load_queue.clear()
         self._finished.clear()
         self.device_allocator.reset()
@@ -1093,8 +1360,8 @@ class TierController(AsyncResource):
             try:
                 self._check_open()
                 self.storage = StorageTier(
-                    _ControllerHostSlots(self),
-                    TaskGroup("storage tier"),
+                    self._slots,
+                    self.tasks,
                     opened,
                     self.namespace,
                     self.storage_config,
@@ -1128,17 +1395,11 @@ class TierController(AsyncResource):
             logger.info("storage backend %s detached", tier.backend.name)
             return True
 
-    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Run ``coro`` as a task the controller owns (awaited at close; failures logged)."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-
-        def done(t: asyncio.Task[Any]) -> None:
-            self._tasks.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                logger.error("a controller task failed: %r", t.exception(), exc_info=t.exception())
-
-        task.add_done_callback(done)
+    def _storage_failed(self, tier: StorageTier) -> None:
+        """`_HostSlots.storage_failed`: count it, detach ``tier`` in the task group."""
+        self.stats.storage_auto_detaches += 1
+        if self.state is ControllerState.OPEN:  # closing stops the tier anyway
+            self.tasks.spawn(self.detach_storage_backend(tier=tier), "the automatic storage detach")
 
     def _tier(self) -> StorageTier:
         self._check_open()
@@ -1187,12 +1448,8 @@ class TierController(AsyncResource):
         """
         tier = self.storage
         if tier is None:
-            await operation
-            if not operation._released:
-                operation._released = True
-            return operation.completed_tokens, operation.hash_values[
-                : operation.completed_tokens // self.layout.page_size
-            ]
+            await operation.wait()
+            return operation.take_completed()
         return await tier.terminate_prefetch(operation)
 
     def write_storage(
@@ -1216,4 +1473,4 @@ class TierController(AsyncResource):
         return [] if self.storage is None else self.storage.drain_backup_acks()
 
     def __repr__(self) -> str:
-        return f"TierController({self.layout.describe()}, state={self.state.value}, policy={self.write_policy})"
+        return f"TierController({self.layout.describe()}, state={self.state.value})"

@@ -52,7 +52,7 @@ async def main(rank: int, world: int, init: str, full_rank: int) -> dict[str, ob
                 assert held is not None
             got.append(await cache.prefetch(prompt, policy="wait_complete"))
             if held is not None:
-                cache.controller.evict_host(held)
+                cache.controller.free_host(held)
             await cache.flush()
         results["got"] = got
         await cache.wait_idle()

@@ -134,7 +134,7 @@ async def test_a_failed_load_settles_before_its_slots_are_freed_and_a_retry_is_c
         expect = kv(c, src)
         host = await c.backup(src)
         assert host is not None
-        c.evict_device(src)
+        c.free_device(src)
         dev_free = c.device_allocator.available
         early = watch_frees(c, dma)
         original = c.engine.load_layer
@@ -169,7 +169,7 @@ async def test_a_failed_load_settles_before_its_slots_are_freed_and_a_retry_is_c
         await waiter
         assert reported == [False]
         assert not c.ack_busy("device", ack.device_indices)
-        c.evict_device(ack.device_indices)  # the caller frees a failed load's slots
+        c.free_device(ack.device_indices)  # the caller frees a failed load's slots
         assert early == []
         assert c.device_allocator.available == dev_free
         assert c.stats.copy_errors == 1
@@ -192,7 +192,7 @@ async def test_load_back_frees_a_failed_loads_slots_only_after_it_settled(
         expect = kv(c, src)
         host = await c.backup(src)
         assert host is not None
-        c.evict_device(src)
+        c.free_device(src)
         dev_free = c.device_allocator.available
         early = watch_frees(c, dma)
         original = c.engine.load_layer
@@ -322,7 +322,7 @@ async def test_ready_is_refused_on_a_cpu_pool() -> None:
             c.submit_write(src, ready=object())  # type: ignore[arg-type]
         assert c.host_allocator.available == c.host_allocator.num_slots
         with pytest.raises(InvalidInputError, match="ready"):
-            c.evict_device(src, ready=object())  # type: ignore[arg-type]
+            c.free_device(src, ready=object())  # type: ignore[arg-type]
         assert c.device_allocator.is_allocated(src)
 
 

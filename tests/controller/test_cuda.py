@@ -34,7 +34,7 @@ async def test_cuda_round_trip_and_device_side_layer_waits(
         expect = [dev.buffers[b][layer][src.cuda()].clone() for b in range(2) for layer in range(4)]
         h = await c.backup(src)
         assert h is not None
-        c.evict_device(src)
+        c.free_device(src)
         dst = c.load(h)
         assert dst is not None
         handle = c.start_loading()

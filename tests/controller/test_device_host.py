@@ -80,7 +80,7 @@ async def test_round_trip_is_bit_identical(
             expect = kv_at(c, src)
             host = await c.backup(src)
             assert host is not None
-            c.evict_device(src)
+            c.free_device(src)
             # Overwrite the freed device slots so a stale read cannot pass.
             for buf in c.device_pool.buffers:
                 for t in buf:
@@ -91,8 +91,8 @@ async def test_round_trip_is_bit_identical(
             got = kv_at(c, dst)
             for e, g in zip(expect, got, strict=True):
                 assert torch.equal(e.view(torch.uint8), g.view(torch.uint8))
-            c.evict_device(dst)
-            c.evict_host(host)
+            c.free_device(dst)
+            c.free_host(host)
         assert c.host_allocator.available == c.host_allocator.num_slots
         assert c.device_allocator.available == c.device_allocator.num_slots
 
@@ -267,8 +267,8 @@ async def test_cancelling_a_backup_or_load_leaks_nothing(
         await asyncio.sleep(0)  # the release callbacks run after the acks resolve
         assert c.host_allocator.available == held_host
         assert c.device_allocator.available == held_dev
-        c.evict_host(host)
-        c.evict_device(src)
+        c.free_host(host)
+        c.free_device(src)
         assert c.host_allocator.available == start_host
         assert c.device_allocator.available == start_dev
 
@@ -329,7 +329,7 @@ async def test_event_loop_stays_responsive_while_a_gigabyte_moves() -> None:
         await asyncio.sleep(0.01)
         t0 = time.perf_counter()
         host = await c.backup(src)
-        c.evict_device(src)
+        c.free_device(src)
         dst = await c.load_back(host)  # type: ignore[arg-type]
         elapsed = time.perf_counter() - t0
         stop.set()
@@ -370,11 +370,11 @@ async def test_bad_input_raises_documented_errors() -> None:
         host = c.write(ok)
         assert host is not None
         with pytest.raises(StateError):
-            c.evict_host(host)  # its copy is in flight
+            c.free_host(host)  # its copy is in flight
         await c.wait_idle()
-        c.evict_host(host)
+        c.free_host(host)
         with pytest.raises(DoubleFreeError):
-            c.evict_host(host)
+            c.free_host(host)
     with pytest.raises(ClosedError):
         c.write(ok)
     with pytest.raises(ClosedError):
@@ -384,8 +384,9 @@ async def test_bad_input_raises_documented_errors() -> None:
 
 def test_constructor_validation() -> None:
     lay = KVLayout(2, 2, 8, torch.float16, 16)
-    with pytest.raises(ConfigError):
-        TierController(DeviceKVPool(lay, 32), HostKVPool(lay, 32), write_policy="write_sometimes")
+    for bad in ({"inline_copy_bytes": -1}, {"inline_copy_bytes": 1.5}, {"track_acks": 1}):
+        with pytest.raises(ConfigError):
+            TierController(DeviceKVPool(lay, 32), HostKVPool(lay, 32), **bad)  # type: ignore[arg-type]
     other = KVLayout(2, 2, 8, torch.float32, 16)
     with pytest.raises(InvalidInputError):
         TierController(DeviceKVPool(lay, 32), HostKVPool(other, 32))
@@ -456,7 +457,7 @@ async def test_scattered_host_pages_load_by_page_gather_into_contiguous_device_r
         host = await c.backup(src)
         assert host is not None
         shuffled = scattered_view(host, 16)
-        c.evict_device(src)
+        c.free_device(src)
         dst = c.device_allocator.alloc(pages * 16)
         assert dst is not None
         plan = c.engine.plan(shuffled, dst)

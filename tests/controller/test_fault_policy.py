@@ -35,7 +35,7 @@ async def failing_prefetches(c: TierController, n: int) -> None:
         assert h is not None
         op = c.prefetch(i, h, list(range(i, i + 2 * PS)))
         if op is None:
-            c.evict_host(h)
+            c.free_host(h)
             continue
         await op
         done, _ = await c.terminate_prefetch(op)
@@ -67,7 +67,7 @@ async def test_auto_reconnect_stops_calling_a_down_backend_and_resumes(
         h = c.host_allocator.alloc(2 * PS)
         assert h is not None
         assert c.prefetch("x", h, list(range(2 * PS))) is None  # a miss at once; the caller keeps h
-        c.evict_host(h)
+        c.free_host(h)
         faulty.fail_all(False)
         await until(lambda: not tier.down)
         assert tier.stats.reconnects == 1

@@ -38,7 +38,7 @@ async def backup(c: TierController, tokens: list[int]) -> torch.Tensor:
     assert d is not None
     h = await c.backup(d)
     assert h is not None
-    c.evict_device(d)
+    c.free_device(d)
     op = c.write_storage(h, tokens)
     assert op is not None
     await op
@@ -69,7 +69,7 @@ async def test_killing_redis_mid_prefetch_keeps_what_arrived_and_restart_needs_n
 async def outage_and_recovery(c: TierController, server: RedisServer, tokens: list[int]) -> None:
     host = await backup(c, tokens)
     expect = [p.tobytes() for p in c.host_pool.page_buffers(host)]
-    c.evict_host(host)
+    c.free_host(host)
     start = c.host_allocator.available
 
     h = c.host_allocator.alloc(len(tokens))
@@ -84,7 +84,7 @@ async def outage_and_recovery(c: TierController, server: RedisServer, tokens: li
     assert op.state is PrefetchState.FAILED
     assert 2 * PS <= n < len(tokens)
     assert [p.tobytes() for p in c.host_pool.page_buffers(h[:n])] == expect[: n // PS]
-    c.evict_host(h[:n])
+    c.free_host(h[:n])
     assert c.host_allocator.available == start  # nothing leaked
 
     # Later requests miss cleanly while the server is down.
@@ -101,7 +101,7 @@ async def outage_and_recovery(c: TierController, server: RedisServer, tokens: li
     await asyncio.to_thread(server.start)
     host = await backup(c, tokens)
     expect = [p.tobytes() for p in c.host_pool.page_buffers(host)]
-    c.evict_host(host)
+    c.free_host(host)
     h = c.host_allocator.alloc(len(tokens))
     assert h is not None
     op = c.prefetch("r3", h, tokens)
@@ -110,5 +110,5 @@ async def outage_and_recovery(c: TierController, server: RedisServer, tokens: li
     n, _ = await c.terminate_prefetch(op)
     assert n == len(tokens)
     assert [p.tobytes() for p in c.host_pool.page_buffers(h)] == expect
-    c.evict_host(h)
+    c.free_host(h)
     assert c.host_allocator.available == start

@@ -58,7 +58,7 @@ async def store(c: TierController, tokens: list[int]) -> tuple[torch.Tensor, lis
     assert dev is not None
     host = await c.backup(dev)
     assert host is not None
-    c.evict_device(dev)
+    c.free_device(dev)
     op = c.write_storage(host, tokens)
     assert op is not None
     await op
@@ -82,12 +82,12 @@ async def fetch(
 async def test_prefetch_fetches_what_backup_stored_bit_identically(ctl: TierController) -> None:
     tokens = list(range(1000, 1000 + 20 * PS))
     host, expect = await store(ctl, tokens)
-    ctl.evict_host(host)
+    ctl.free_host(host)
     start = ctl.host_allocator.available
     n, got = await fetch(ctl, tokens)
     assert n == len(tokens)
     assert host_bytes(ctl, got) == expect
-    ctl.evict_host(got)
+    ctl.free_host(got)
     assert ctl.host_allocator.available == start
     assert ctl.storage is not None and ctl.storage.stats.prefetch_completed == 1
 
@@ -100,7 +100,7 @@ async def test_prefetch_stops_at_the_first_missing_page_and_frees_the_rest(
     start = ctl.host_allocator.available
     n, got = await fetch(ctl, stored + list(range(5000, 5000 + 8 * PS)))
     assert n == len(stored)
-    ctl.evict_host(got)
+    ctl.free_host(got)
     assert ctl.host_allocator.available == start
 
 
@@ -126,7 +126,7 @@ async def test_prefetch_chains_from_a_prior_hash(ctl: TierController) -> None:
     prior = page_hashes(tokens[: 2 * PS], PS)[-1]
     n, got = await fetch(ctl, tokens[2 * PS :], prior)
     assert n == 6 * PS
-    ctl.evict_host(got)
+    ctl.free_host(got)
     n, got = await fetch(ctl, tokens[2 * PS :])  # without the prior the keys differ
     assert n == 0
 
@@ -152,7 +152,7 @@ async def test_storage_faults_mid_prefetch_keep_done_pages_and_free_the_rest(
         await c.attach_storage_backend(faulty)
         tokens = list(range(10 * PS))
         host, expect = await store(c, tokens)
-        c.evict_host(host)
+        c.free_host(host)
         start = c.host_allocator.available
         faulty.enable()
         n, got = await fetch(c, tokens)
@@ -164,12 +164,12 @@ async def test_storage_faults_mid_prefetch_keep_done_pages_and_free_the_rest(
         else:
             assert n == 4 * PS  # the two batches before the fault
         assert host_bytes(c, got) == expect[: n // PS]
-        c.evict_host(got)
+        c.free_host(got)
         assert c.host_allocator.available == start
         # The controller keeps serving the next request.
         n, got = await fetch(c, tokens)
         assert n == len(tokens) and host_bytes(c, got) == expect
-        c.evict_host(got)
+        c.free_host(got)
         assert c.host_allocator.available == start
 
 
@@ -187,12 +187,12 @@ async def test_backup_error_midway_keeps_the_done_pages() -> None:
         op = c.write_storage(host, tokens, node_id="n1")
         assert op is not None
         with pytest.raises(StateError):
-            c.evict_host(host)  # the backup reads these slots
+            c.free_host(host)  # the backup reads these slots
         await op
         assert not op.succeeded and isinstance(op.error, StorageError)
         assert op.completed_tokens == 4 * PS
         assert [a.node_id for a in c.drain_backup_acks()] == ["n1"]
-        c.evict_host(host)
+        c.free_host(host)
         faulty.disable()
         n, got = await fetch(c, tokens)
         assert n == 4 * PS
@@ -207,7 +207,7 @@ async def test_terminate_mid_load_freezes_completed_and_frees_the_rest() -> None
         await c.attach_storage_backend(faulty)
         tokens = list(range(8 * PS))
         host, _ = await store(c, tokens)
-        c.evict_host(host)
+        c.free_host(host)
         start = c.host_allocator.available
         faulty.enable()
         h = c.host_allocator.alloc(len(tokens))
@@ -219,7 +219,7 @@ async def test_terminate_mid_load_freezes_completed_and_frees_the_rest() -> None
         n, _ = await c.terminate_prefetch(op)
         assert n == 2 * PS and op.state is PrefetchState.TERMINATED
         assert c.host_allocator.available == start - n
-        c.evict_host(h[:n])
+        c.free_host(h[:n])
         assert c.host_allocator.available == start
 
 
@@ -253,7 +253,7 @@ async def test_attach_detach_reattach_and_detach_twice(ctl: TierController) -> N
     assert h is not None
     assert ctl.prefetch("r", h, list(range(PS))) is None  # no backend: the caller keeps h
     assert ctl.write_storage(h, list(range(PS))) is None
-    ctl.evict_host(h)
+    ctl.free_host(h)
     assert isinstance(backend, MemoryBackend)
     await ctl.attach_storage_backend(backend)  # a backend passed in is not closed on detach
     n, got = await fetch(ctl, tokens)
@@ -298,9 +298,9 @@ async def test_detach_mid_prefetch_and_backup_leaves_no_coroutine_and_no_leak() 
         assert tier is not None and not tier.busy and len(tier.tasks) == 0
         assert op.done() and b.done()
         n, _ = await c.terminate_prefetch(op)
-        c.evict_host(h[:n])
+        c.free_host(h[:n])
         assert c.host_allocator.available == start
-        c.evict_host(host)  # the cancelled backup released its hold
+        c.free_host(host)  # the cancelled backup released its hold
 
 
 async def test_closing_the_controller_with_prefetches_in_flight_frees_everything() -> None:
@@ -343,7 +343,7 @@ async def test_cancelling_a_task_awaiting_a_prefetch_does_not_stop_or_leak_it(
     await op  # the operation ran on, undisturbed
     n, _ = await ctl.terminate_prefetch(op)
     assert n == len(tokens)
-    ctl.evict_host(h)
+    ctl.free_host(h)
     assert ctl.host_allocator.available == start + len(tokens)
 
 

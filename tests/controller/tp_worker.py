@@ -66,7 +66,7 @@ async def main(rank: int, world: int, init: str, stored_pages: int, mode: str) -
             held = first
         else:
             n, _ = await ctl.terminate_prefetch(first)
-            ctl.evict_host(h[:n])
+            ctl.free_host(h[:n])
             results["first"] = n
         if mode == "down":
             backend.fail_all()
@@ -83,13 +83,13 @@ async def main(rank: int, world: int, init: str, stored_pages: int, mode: str) -
                 pf = ctl.prefetch("r", h, tokens)
             started.append(pf is not None)
             if pf is None:  # skipped on this rank: it keeps its slots
-                ctl.evict_host(h)
+                ctl.free_host(h)
                 agreed.append((0, 0))
                 continue
             await pf
             n, _ = await ctl.terminate_prefetch(pf)
             agreed.append((pf.storage_hit_tokens, n))
-            ctl.evict_host(h[:n])
+            ctl.free_host(h[:n])
         if held is not None:
             n, _ = await ctl.terminate_prefetch(held)
             results["first"] = n

@@ -148,7 +148,7 @@ async def test_commit_orders_the_backup_after_the_forward_stream(cycles_per_ms: 
 # -- a reader still queued on freed slots, then a load into them -----------------------
 
 
-@pytest.mark.parametrize("how", ["evict_ready", "load_ready"])
+@pytest.mark.parametrize("how", ["free_ready", "load_ready"])
 async def test_a_load_into_freed_slots_waits_for_their_queued_reader(
     cycles_per_ms: float, how: str
 ) -> None:
@@ -165,11 +165,11 @@ async def test_a_load_into_freed_slots_waits_for_their_queued_reader(
         with torch.cuda.stream(reader):
             spin(cycles_per_ms)  # attention of the previous batch, still queued
             seen = [t[idx].clone() for buf in c.device_pool.buffers for t in buf]
-        if how == "evict_ready":
-            c.evict_device(src, ready=reader)
+        if how == "free_ready":
+            c.free_device(src, ready=reader)
             dst = c.load(host)
         else:
-            c.evict_device(src)
+            c.free_device(src)
             dst = c.load(host, ready=reader)
         assert dst is not None
         assert sorted(dst.tolist()) == sorted(src.tolist())  # the very slots just freed
@@ -251,7 +251,7 @@ async def test_a_load_that_fails_mid_job_settles_before_it_reports(cycles_per_ms
         fill(c, src, 4.0)
         host = await c.backup(src)
         assert host is not None
-        c.evict_device(src)
+        c.free_device(src)
         free_before = c.device_allocator.available
         original = c.engine.load_layer
         stream = c._load_stream.cuda_stream if c._load_stream else None
@@ -274,7 +274,7 @@ async def test_a_load_that_fails_mid_job_settles_before_it_reports(cycles_per_ms
         assert stream.query(), "the failure was reported while its copy still ran"
         with pytest.raises(CopyFault):
             await ack
-        c.evict_device(ack.device_indices)
+        c.free_device(ack.device_indices)
         assert c.device_allocator.available == free_before
         c.engine.load_layer = original  # type: ignore[method-assign]
         again = await c.load_back(host)
@@ -330,7 +330,7 @@ async def test_start_loading_and_wait_layer_device_do_not_block_the_host(
         fill(c, src, 8.0)
         host = await c.backup(src)
         assert host is not None
-        c.evict_device(src)
+        c.free_device(src)
         spin(cycles_per_ms, 2 * SPIN_MS)  # the compute stream is busy
         t0 = time.perf_counter()
         first = c.load(host)

@@ -119,7 +119,7 @@ async def _write_controller(root: str, start: int) -> None:
             assert op is not None
             await op
             assert op.succeeded, op.error
-            ctl.evict_host(slots)
+            ctl.free_host(slots)
             b += 1
             await asyncio.sleep(PACE_S)
 

@@ -201,9 +201,9 @@ CASES: list[Case] = [
     ("host page_buffer unaligned", lambda w: w.ctl.host_pool.page_buffer(1), InvalidInputError),
     # -- TierController -----------------------------------------------------------------------
     (
-        "controller write policy",
+        "controller inline_copy_bytes bool",
         lambda w: TierController(
-            DeviceKVPool(LAYOUT, 16), HostKVPool(LAYOUT, 16), write_policy="sometimes"
+            DeviceKVPool(LAYOUT, 16), HostKVPool(LAYOUT, 16), inline_copy_bytes=True
         ),
         ConfigError,
     ),
@@ -237,14 +237,14 @@ CASES: list[Case] = [
     ("load unallocated", lambda w: w.ctl.load(_page(_FREE_HOST_PAGE)), InvalidInputError),
     (
         "evict device never allocated",
-        lambda w: w.ctl.evict_device(_page(_FREE_PAGE)),
+        lambda w: w.ctl.free_device(_page(_FREE_PAGE)),
         DoubleFreeError,
     ),
-    ("evict device float", lambda w: w.ctl.evict_device(w.dev.float()), InvalidInputError),
-    ("evict host out of range", lambda w: w.ctl.evict_host(_page(10_000)), InvalidInputError),
+    ("evict device float", lambda w: w.ctl.free_device(w.dev.float()), InvalidInputError),
+    ("evict host out of range", lambda w: w.ctl.free_host(_page(10_000)), InvalidInputError),
     (
         "evict host never allocated",
-        lambda w: w.ctl.evict_host(_page(_FREE_HOST_PAGE)),
+        lambda w: w.ctl.free_host(_page(_FREE_HOST_PAGE)),
         DoubleFreeError,
     ),
     ("plan lengths differ", lambda w: w.ctl.plan(w.host, w.dev[:PS]), InvalidInputError),
@@ -463,8 +463,8 @@ async def _round_trip(w: World) -> None:
     assert pf.state is PrefetchState.DONE and n == len(tokens)
     assert [p.tobytes() for p in ctl.host_pool.page_buffers(dst)] == before
     for slots in (again, dst):
-        ctl.evict_host(slots)
-    ctl.evict_device(dev2)
+        ctl.free_host(slots)
+    ctl.free_device(dev2)
     # The file backend still holds its page and takes a new one.
     page = PageBuffer.allocate(len(w.stored_bytes), "f")
     assert await w.backend.batch_get([w.stored_key], [page]) == [True]
@@ -668,7 +668,7 @@ async def test_a_backup_onto_a_full_disk_ends_failed_keeping_what_was_stored(
             got, _ = await ctl.terminate_prefetch(pf)
             assert got == n, (got, n)
             assert [p.tobytes() for p in ctl.host_pool.page_buffers(dst)] == expect[: n // PS]
-            ctl.evict_host(dst)
+            ctl.free_host(dst)
         # And the controller serves the next request.
         dev2 = await ctl.load_back(host)
         assert dev2 is not None
