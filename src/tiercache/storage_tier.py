@@ -872,7 +872,10 @@ class StorageTier:
         host, tokens = self._check_tokens(host_indices, token_ids)
         op = BackupOperation(node_id, host, hash_values or [], self._loop.create_future())
         # Spawned first (it runs later): a closed group refuses it before anything is held.
-        self._backups[op] = self.tasks.spawn(self._backup(op, tokens, prior_hash), "a backup")
+        task = self.tasks.spawn(self._backup(op, tokens, prior_hash), "a backup")
+        # A task cancelled before its first step never runs `_backup`'s cleanup: end it here.
+        task.add_done_callback(lambda _t: self._end_backup(op))
+        self._backups[op] = task
         self.slots.hold(host)
         self.stats.backup_ops += 1
         self._work_changed()
@@ -931,6 +934,9 @@ class StorageTier:
         return have + n_ok
 
     def _end_backup(self, op: BackupOperation) -> None:
+        """Release ``op``'s slots and end it; idempotent."""
+        if op.done():
+            return
         self.slots.release(op.host_indices)
         self._finished_backups.append(op)
         self._backups.pop(op, None)

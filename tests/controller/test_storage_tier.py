@@ -405,3 +405,26 @@ async def test_prefetch_when_not_open_or_detached_errors() -> None:
         assert c._tier is not None
         with pytest.raises(BackendUnavailableError):
             c._tier()
+
+
+async def test_a_detach_in_the_same_loop_turn_ends_every_operation_and_frees_its_slots(
+    ctl: TierController,
+) -> None:
+    """Work cancelled before its first step still ends: nobody waits forever, nothing stays held."""
+    free_before = ctl.host_allocator.available
+    backup_host = ctl.host_allocator.alloc(2 * PS)
+    prefetch_host = ctl.host_allocator.alloc(2 * PS)
+    assert backup_host is not None and prefetch_host is not None
+    backup = ctl.write_storage(backup_host, list(range(2 * PS)))
+    prefetch = ctl.prefetch("r", prefetch_host, list(range(100, 100 + 2 * PS)))
+    assert backup is not None and prefetch is not None
+    await ctl.detach_storage_backend()  # neither task has run a step yet
+    async with asyncio.timeout(2):
+        await backup.wait()
+        await prefetch.wait()
+    assert not backup.succeeded
+    assert prefetch.state is PrefetchState.TERMINATED
+    assert await ctl.terminate_prefetch(prefetch) == (0, [])
+    assert not ctl.ack_busy("host", backup_host)
+    ctl.free_host(backup_host)
+    assert ctl.host_allocator.available == free_before
