@@ -259,9 +259,9 @@ async def test_both_publish_paths_are_first_writer_wins_and_leave_no_temp_file(
         monkeypatch.setattr(FileBackend, "_probe_tmpfile", lambda self: False)
     root = tmp_path / "store"
     async with await FileBackend.open(root, max_concurrency=4) as b:
-        if unnamed and not b._tmpfile:
+        if unnamed and not b.publishes_unnamed:
             pytest.skip("O_TMPFILE is not supported here")
-        assert b._tmpfile is unnamed
+        assert b.publishes_unnamed is unnamed
         ks = keys(8)
         first = [random_page() for _ in ks]
         # Two backends' worth of racing writers of the same keys.
