@@ -684,23 +684,26 @@ class FileBackend(StorageBackend):
                 _remove_entry(path)  # O_NOFOLLOW met a symbolic link
                 return _Result("corrupt", detail="a symbolic link stands where the page should be")
             try:
-                detail = self._read_fd(fd, key, page)
+                result = self._read_fd(fd, key, page)
             except StorageCorruptionError as e:
-                detail = str(e)
+                result = _Result("corrupt", detail=str(e))
             finally:
                 os.close(fd)
-            if detail is None:
-                return _Result("hit", _stored_size(key, page))
-            _remove_entry(path)
-            if detail.startswith("stale"):
-                return _Result("stale", detail=detail)
-            return _Result("corrupt", detail=detail)
+            if result.status != "hit":
+                _remove_entry(path)
+            return result
         except OSError as e:
             return _Result("error", detail=f"{type(e).__name__}: {e}")
 
     @staticmethod
-    def _read_fd(fd: int, key: str, page: PageBuffer) -> str | None:
-        """Read and verify one page file into ``page``; ``None``, or why it is not a page.
+    def _read_fd(fd: int, key: str, page: PageBuffer) -> _Result:
+        """Read and verify one page file into ``page``: a hit with the file's size, or why not.
+
+        Five system calls a page (``open``, ``fstat``, ``pread`` of the
+        header, one ``preadv`` of the payload into the page, ``close``), the
+        same as a plain ``open``/``readinto``/``close``; the payload is then
+        hashed where it landed. Nothing reaches ``page`` before the header
+        and the file's size have passed their checks.
 
         Raises:
             StorageCorruptionError: the header or the payload checksum is wrong.
@@ -708,21 +711,23 @@ class FileBackend(StorageBackend):
         """
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            return f"{_kind(st.st_mode)} stands where the page should be"
+            return _Result("corrupt", detail=f"{_kind(st.st_mode)} stands where the page should be")
         # As long as this backend's own headers (a file with more padding fails its checks).
         head = os.pread(fd, header_size(key, page.format, _ALIGN), 0)
         if is_older_version(head):
-            return "stale: a page of an older format version"
+            return _Result("stale", detail="a page of an older format version")
         # Decode what is there first: a wrong key or format says more than a size.
         h = decode_header(head)
         check_header(h, key, page)
         hlen = h.header_len  # any padding is read; this backend writes 4 KiB headers
         if st.st_size != hlen + page.nbytes:
-            return f"file is {st.st_size} bytes, expected {hlen + page.nbytes}"
+            return _Result(
+                "corrupt", detail=f"file is {st.st_size} bytes, expected {hlen + page.nbytes}"
+            )
         if _preadv_all(fd, page.segments, hlen) != page.nbytes:
-            return "file shrank while it was read"
+            return _Result("corrupt", detail="file shrank while it was read")
         verify_in_place(key, h, page)
-        return None
+        return _Result("hit", st.st_size)
 
     def _mkdirs(self, directory: str) -> None:
         for d in (self._root_str, directory):
