@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from tests.storage.storage_helpers import FORMAT, keys, random_page
 
+from tiercache.errors import StorageCorruptionError
 from tiercache.memory import PageBuffer
 from tiercache.storage import file as file_module
 from tiercache.storage.file import FileBackend, default_concurrency, shard_dir
@@ -67,6 +68,20 @@ def test_the_format_version_is_3_and_older_pages_are_told_apart() -> None:
     assert is_older_version(version1_blob(k, page))
     assert is_older_version(version2_blob(k, page))
     assert not is_older_version(b"junk" + bytes(40))
+
+
+def test_a_flipped_bit_anywhere_in_a_header_is_caught() -> None:
+    # The header checksum is taken in place over the two runs around the stored sum
+    # (fixed fields; format, key and padding): every byte of the header is covered.
+    (k,) = keys(1)
+    page = random_page()
+    header = bytes(pack_page(k, page, 64)[0])
+    assert decode_header(header).key == k
+    for at in range(len(header)):
+        damaged = bytearray(header)
+        damaged[at] ^= 0x10
+        with pytest.raises(StorageCorruptionError):
+            decode_header(damaged)
 
 
 @pytest.mark.parametrize("align", [1, 64, 4096])
