@@ -22,11 +22,12 @@ When ``sglang`` is importable, SGLang's real ``HiCacheFile`` runs beside them
 
 Measurement: destination buffers are allocated and faulted in beforehand (as
 a host pool's are); ``sync`` runs between phases, outside the timings, so
-that writeback of one phase never lands in another; every store is written,
-synced, read, checked bit for bit, deleted and synced in each round, and the
-stores take turns (interleaved rounds, the order rotating each round). Reads
-come from the page cache: this measures each store's own cost, not the disk.
-Numbers are medians over the rounds; a ratio is ``baseline seconds / file
+that writeback of one phase never lands in another. In each round every
+store writes in turn (synced after each), then the stores take turns reading,
+``READ_REPEATS`` (3) times, every read checked bit for bit; then all are
+cleared and synced. The order of the stores rotates each round. Reads come
+from the page cache: this measures each store's own cost, not the disk.
+Numbers are medians over all samples; a ratio is ``baseline seconds / file
 backend seconds`` of those medians (above 1: the file backend is faster).
 
 The headline is 768 KiB pages (786,432 bytes: 24 layers, one 128-dim KV head,
@@ -57,7 +58,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,35 @@ SIZES = {
     "quick": Sizes(128, 3, 16, 3),
     "smoke": Sizes(4, 1, 2, 1),
 }
+
+
+#: Read phases per store and round. Reads come from the page cache, so they are
+#: cheap to repeat; taking turns read by read evens out the load from the rest of
+#: the machine, which decides most of the spread on a shared box.
+READ_REPEATS = 3
+
+
+async def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Store:
+    """One store of a cell, as phases the round takes turns on.
+
+    ``name`` and ``tag`` name its timings (``<name>_write<tag>``,
+    ``<name>_read<tag>``); ``what`` names it in a failed check; ``start``
+    (untimed) opens it, ``clear`` (untimed) removes its pages and closes it.
+    """
+
+    name: str
+    tag: str
+    what: str
+    write: Callable[[], Awaitable[None]]
+    read: Callable[[], Awaitable[None]]
+    check: Callable[[str], None]
+    clear: Callable[[], Awaitable[None]]
+    start: Callable[[], Awaitable[None]] = _nothing
 
 
 def _fill(pool: HostKVPool, seed: int) -> None:
@@ -272,45 +302,58 @@ class Cell:
             raise AssertionError(f"{what}: the pages read back differ from those written")
         self.dst.buffer.zero_()
 
-    async def sequential(self) -> None:
+    def _sequential(self) -> Store:
         path = self.workdir / "sequential.bin"
-        loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
-        await loop.run_in_executor(None, _sequential_write, path, self.src_bytes)
-        self._record("seq_write", time.perf_counter() - t0)
-        await loop.run_in_executor(None, _sync)
-        t0 = time.perf_counter()
-        await loop.run_in_executor(None, _sequential_read, path, self.dst_bytes)
-        self._record("seq_read", time.perf_counter() - t0)
-        self._check("sequential")
-        await loop.run_in_executor(None, os.unlink, path)
-        await loop.run_in_executor(None, _sync)
 
-    async def file_backend(self, batch: int, concurrency: int, tag: str) -> None:
-        loop = asyncio.get_running_loop()
+        async def clear() -> None:
+            await asyncio.to_thread(path.unlink, missing_ok=True)
+
+        return Store(
+            "seq",
+            "",
+            "sequential",
+            write=lambda: asyncio.to_thread(_sequential_write, path, self.src_bytes),
+            read=lambda: asyncio.to_thread(_sequential_read, path, self.dst_bytes),
+            check=self._check,
+            clear=clear,
+        )
+
+    def _file_backend(
+        self, batch: int, concurrency: int, tag: str, workers: int | None = None
+    ) -> Store:
+        """The file backend, with ``workers`` threads (``None``: its default)."""
         keys, src, dst = self.keys, self.src_pages, self.dst_pages
-        async with await FileBackend.open(self.workdir / "tiercache") as backend:
+        opened: list[FileBackend] = []
 
-            async def put(lo: int, hi: int) -> None:
-                if not all(await backend.batch_set(keys[lo:hi], src[lo:hi])):
-                    raise AssertionError("file backend: a page was not stored")
+        async def put(lo: int, hi: int) -> None:
+            if not all(await opened[0].batch_set(keys[lo:hi], src[lo:hi])):
+                raise AssertionError("file backend: a page was not stored")
 
-            async def get(lo: int, hi: int) -> None:
-                if not all(await backend.batch_get(keys[lo:hi], dst[lo:hi])):
-                    raise AssertionError("file backend: a page did not arrive")
+        async def get(lo: int, hi: int) -> None:
+            if not all(await opened[0].batch_get(keys[lo:hi], dst[lo:hi])):
+                raise AssertionError("file backend: a page did not arrive")
 
-            t0 = time.perf_counter()
-            await _in_flight(put, self.pages, batch, concurrency)
-            self._record(f"tier_write{tag}", time.perf_counter() - t0)
-            await loop.run_in_executor(None, _sync)
-            t0 = time.perf_counter()
-            await _in_flight(get, self.pages, batch, concurrency)
-            self._record(f"tier_read{tag}", time.perf_counter() - t0)
-            self._check("file backend")
-            await backend.clear()
-        await loop.run_in_executor(None, _sync)
+        async def start() -> None:
+            opened.append(
+                await FileBackend.open(self.workdir / f"tiercache{tag}", max_concurrency=workers)
+            )
 
-    def plain_store(self, batch: int, concurrency: int, tag: str) -> None:
+        async def clear() -> None:
+            await opened[0].clear()
+            await opened.pop().aclose()
+
+        return Store(
+            "tier",
+            tag,
+            "file backend",
+            write=lambda: _in_flight(put, self.pages, batch, concurrency),
+            read=lambda: _in_flight(get, self.pages, batch, concurrency),
+            check=self._check,
+            clear=clear,
+            start=start,
+        )
+
+    def _plain_store(self, batch: int, concurrency: int, tag: str) -> Store:
         keys, src, dst, store = self.keys, self.src_pages, self.dst_pages, self.plain
 
         def put(lo: int, hi: int) -> None:
@@ -320,18 +363,17 @@ class Cell:
             if not all(store.batch_get(keys[lo:hi], dst[lo:hi])):
                 raise AssertionError("one file per page: a page did not arrive")
 
-        t0 = time.perf_counter()
-        _threaded(put, self.pages, batch, concurrency)
-        self._record(f"plain_write{tag}", time.perf_counter() - t0)
-        _sync()
-        t0 = time.perf_counter()
-        _threaded(get, self.pages, batch, concurrency)
-        self._record(f"plain_read{tag}", time.perf_counter() - t0)
-        self._check("one file per page")
-        store.clear()
-        _sync()
+        return Store(
+            "plain",
+            tag,
+            "one file per page",
+            write=lambda: _as_async(_threaded, put, self.pages, batch, concurrency),
+            read=lambda: _as_async(_threaded, get, self.pages, batch, concurrency),
+            check=self._check,
+            clear=lambda: _as_async(store.clear),
+        )
 
-    def sglang_store(self, batch: int, concurrency: int, tag: str) -> None:
+    def _sglang_store(self, batch: int, concurrency: int, tag: str) -> Store:
         store = self.sglang
         assert store is not None
         keys = [f"bench{tag}-{k}" for k in self.keys]
@@ -346,34 +388,62 @@ class Cell:
             if got is None or any(g is None for g in got):
                 raise AssertionError("HiCacheFile: a page did not arrive")
 
+        def check(what: str) -> None:
+            if not torch.equal(self.flat_src, self.flat_dst):
+                raise AssertionError(f"{what}: the pages read back differ from those written")
+            self.flat_dst.zero_()
+
+        def clear() -> None:
+            shutil.rmtree(self.workdir / "sglang", ignore_errors=True)
+            (self.workdir / "sglang").mkdir()
+
+        return Store(
+            "sglang",
+            tag,
+            "HiCacheFile",
+            write=lambda: _as_async(_threaded, put, self.pages, batch, concurrency),
+            read=lambda: _as_async(_threaded, get, self.pages, batch, concurrency),
+            check=check,
+            clear=lambda: _as_async(clear),
+        )
+
+    async def _timed(self, name: str, phase: Callable[[], Awaitable[None]]) -> None:
         t0 = time.perf_counter()
-        _threaded(put, self.pages, batch, concurrency)
-        self._record(f"sglang_write{tag}", time.perf_counter() - t0)
-        _sync()
-        t0 = time.perf_counter()
-        _threaded(get, self.pages, batch, concurrency)
-        self._record(f"sglang_read{tag}", time.perf_counter() - t0)
-        if not torch.equal(self.flat_src, self.flat_dst):
-            raise AssertionError("HiCacheFile: the pages read back differ from those written")
-        self.flat_dst.zero_()
-        shutil.rmtree(self.workdir / "sglang", ignore_errors=True)
-        (self.workdir / "sglang").mkdir()
-        _sync()
+        await phase()
+        self._record(name, time.perf_counter() - t0)
 
     async def round(self, configs: Sequence[tuple[int, int]], turn: int) -> None:
-        """One interleaved round: the sequential file, then each config's stores, rotated."""
-        await self.sequential()
-        for batch, conc in configs:
+        """One interleaved round over ``configs``; the sequential file joins the first.
+
+        For each config, every store writes in turn (``sync`` after each, outside
+        the timings), then every store reads in turn, `READ_REPEATS` times, each
+        read checked bit for bit; then all are cleared and synced. The order of
+        the stores rotates with ``turn``. Taking turns read by read puts the
+        stores under the same load from the rest of the machine.
+        """
+        for n, (batch, conc) in enumerate(configs):
             tag = f"_b{batch}_c{conc}"
-            stores: list[Callable[[], Coroutine[Any, Any, None]]] = [
-                lambda b=batch, c=conc, t=tag: self.file_backend(b, c, t),
-                lambda b=batch, c=conc, t=tag: _as_async(self.plain_store, b, c, t),
-            ]
+            stores = [self._file_backend(batch, conc, tag), self._plain_store(batch, conc, tag)]
             if self.sglang is not None:
-                stores.append(lambda b=batch, c=conc, t=tag: _as_async(self.sglang_store, b, c, t))
+                stores.append(self._sglang_store(batch, conc, tag))
+            if n == 0:
+                stores.append(self._sequential())
             k = turn % len(stores)
-            for run in stores[k:] + stores[:k]:
-                await run()
+            stores = stores[k:] + stores[:k]
+            for st in stores:
+                await st.start()
+            try:
+                for st in stores:
+                    await self._timed(f"{st.name}_write{st.tag}", st.write)
+                    await asyncio.to_thread(_sync)
+                for _ in range(READ_REPEATS):
+                    for st in stores:
+                        await self._timed(f"{st.name}_read{st.tag}", st.read)
+                        st.check(st.what)
+            finally:
+                for st in stores:
+                    await st.clear()
+                await asyncio.to_thread(_sync)
 
     def row(self, batch: int, conc: int) -> dict[str, Any]:
         tag = f"_b{batch}_c{conc}"
@@ -407,8 +477,9 @@ class Cell:
         return row
 
 
-async def _as_async(fn: Callable[[int, int, str], None], b: int, c: int, t: str) -> None:
-    fn(b, c, t)
+async def _as_async(fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn(*args)`` in the calling (loop) thread, as the baseline stores do."""
+    fn(*args)
 
 
 def _sequential_write(path: Path, data: memoryview) -> None:
@@ -552,62 +623,61 @@ def _plot_grid(rows: Sequence[dict[str, Any]], out_dir: Path) -> Path | None:
     return _save(fig, plt, "storage_grid", out_dir)
 
 
-def main(
-    quick: bool = False, out_dir: Path = RESULTS_DIR, *, smoke: bool = False, grid: bool = True
-) -> dict[str, Any]:
-    """Run the storage benchmark; write ``storage.json`` and its plots; return the result."""
-    mode = "smoke" if smoke else "quick" if quick else "full"
+def _grid_configs(mode: str) -> list[tuple[int, int]]:
+    """The (batch, concurrency) points measured for each page size."""
+    if mode == "smoke":  # only that it runs: one point a page size
+        return [(16, 4)]
+    if mode == "quick":  # a sample of the space: a diagonal of three points
+        return [(1, 1), (16, 4), (128, 16)]
+    return [(b, c) for b in BATCHES for c in CONCURRENCY]
+
+
+async def _run_cells(
+    mode: str, grid: bool, workdir: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The headline cell, then (with ``grid``) every page size over the grid's points."""
     sizes = SIZES[mode]
-    workdir = Path(tempfile.mkdtemp(prefix="tiercache-bench-storage-"))
     head_label, head_batch, head_conc = HEADLINE_CELL
-    try:
-
-        async def run() -> tuple[dict[str, Any], list[dict[str, Any]]]:
-            (head,) = await _measure(
-                head_label,
-                sizes.headline_mib,
-                sizes.headline_rounds,
-                [(head_batch, head_conc)],
-                workdir / "headline",
+    (head,) = await _measure(
+        head_label,
+        sizes.headline_mib,
+        sizes.headline_rounds,
+        [(head_batch, head_conc)],
+        workdir / "headline",
+    )
+    rows: list[dict[str, Any]] = []
+    if grid:
+        configs = _grid_configs(mode)
+        for label in PAGE_LAYOUTS:
+            rows += await _measure(
+                label, sizes.grid_mib, sizes.grid_rounds, configs, workdir / label
             )
-            rows: list[dict[str, Any]] = []
-            if grid:
-                configs = [(b, c) for b in BATCHES for c in CONCURRENCY]
-                if smoke:  # only that it runs: one point a page size
-                    configs = [(16, 4)]
-                elif quick:  # a sample of the space: a diagonal of three points
-                    configs = [(1, 1), (16, 4), (128, 16)]
-                for label in PAGE_LAYOUTS:
-                    rows += await _measure(
-                        label, sizes.grid_mib, sizes.grid_rounds, configs, workdir / label
-                    )
-            return head, rows
+    return head, rows
 
-        head, rows = asyncio.run(run())
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    hashing = _hashing(quick or smoke, 1 if smoke else 3)
+
+def _headlines(head: dict[str, Any], hashing: dict[str, Any]) -> list[dict[str, Any]]:
+    cell = "768 KiB pages, batch 128"
     heads = [
         headline(
-            "file write / one-file-per-page write (768 KiB pages, batch 128)",
+            f"file write / one-file-per-page write ({cell})",
             head["write_vs_plain"],
             TARGETS["vs_plain"],
             unit="x",
         ),
         headline(
-            "file read / one-file-per-page read (768 KiB pages, batch 128, verified)",
+            f"file read / one-file-per-page read ({cell}, verified)",
             head["read_vs_plain"],
             TARGETS["vs_plain"],
             unit="x",
         ),
         headline(
-            "file write / sequential write (768 KiB pages, batch 128)",
+            f"file write / sequential write ({cell})",
             head["write_vs_seq"],
             TARGETS["seq_write"],
             unit="x",
         ),
         headline(
-            "file read / sequential read (768 KiB pages, batch 128)",
+            f"file read / sequential read ({cell})",
             head["read_vs_seq"],
             TARGETS["seq_read"],
             unit="x",
@@ -616,7 +686,7 @@ def main(
     if "write_vs_sglang" in head:
         heads += [
             headline(
-                f"file {op} / SGLang HiCacheFile {op} (768 KiB pages, batch 128)",
+                f"file {op} / SGLang HiCacheFile {op} ({cell})",
                 head[f"{op}_vs_sglang"],
                 TARGETS["vs_plain"],
                 unit="x",
@@ -626,6 +696,22 @@ def main(
     heads.append(
         headline("page_hashes / per-token hashing", hashing["ratio"], TARGETS["hash"], unit="x")
     )
+    return heads
+
+
+def main(
+    quick: bool = False, out_dir: Path = RESULTS_DIR, *, smoke: bool = False, grid: bool = True
+) -> dict[str, Any]:
+    """Run the storage benchmark; write ``storage.json`` and its plots; return the result."""
+    mode = "smoke" if smoke else "quick" if quick else "full"
+    sizes = SIZES[mode]
+    workdir = Path(tempfile.mkdtemp(prefix="tiercache-bench-storage-"))
+    try:
+        head, rows = asyncio.run(_run_cells(mode, grid, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    hashing = _hashing(quick or smoke, 1 if smoke else 3)
+    heads = _headlines(head, hashing)
     head_table_rows: list[list[object]] = [
         ["sequential file", head["seq_write_gbps"], head["seq_read_gbps"]],
         ["one file per page", head["plain_write_gbps"], head["plain_read_gbps"]],

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from tests.storage.storage_helpers import FORMAT, keys, random_page
 
+from tiercache.errors import StorageCorruptionError
 from tiercache.memory import PageBuffer
 from tiercache.storage import file as file_module
 from tiercache.storage.file import FileBackend, default_concurrency, shard_dir
@@ -67,6 +68,20 @@ def test_the_format_version_is_3_and_older_pages_are_told_apart() -> None:
     assert is_older_version(version1_blob(k, page))
     assert is_older_version(version2_blob(k, page))
     assert not is_older_version(b"junk" + bytes(40))
+
+
+def test_a_flipped_bit_anywhere_in_a_header_is_caught() -> None:
+    # The header checksum is taken in place over the two runs around the stored sum
+    # (fixed fields; format, key and padding): every byte of the header is covered.
+    (k,) = keys(1)
+    page = random_page()
+    header = bytes(pack_page(k, page, 64)[0])
+    assert decode_header(header).key == k
+    for at in range(len(header)):
+        damaged = bytearray(header)
+        damaged[at] ^= 0x10
+        with pytest.raises(StorageCorruptionError):
+            decode_header(damaged)
 
 
 @pytest.mark.parametrize("align", [1, 64, 4096])
@@ -259,9 +274,9 @@ async def test_both_publish_paths_are_first_writer_wins_and_leave_no_temp_file(
         monkeypatch.setattr(FileBackend, "_probe_tmpfile", lambda self: False)
     root = tmp_path / "store"
     async with await FileBackend.open(root, max_concurrency=4) as b:
-        if unnamed and not b._tmpfile:
+        if unnamed and not b.publishes_unnamed:
             pytest.skip("O_TMPFILE is not supported here")
-        assert b._tmpfile is unnamed
+        assert b.publishes_unnamed is unnamed
         ks = keys(8)
         first = [random_page() for _ in ks]
         # Two backends' worth of racing writers of the same keys.

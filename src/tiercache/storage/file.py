@@ -108,6 +108,7 @@ from urllib.parse import unquote, urlsplit
 import aiofiles
 import aiofiles.os
 
+from tiercache._aio import finish
 from tiercache.errors import ConfigError, StorageCorruptionError, StorageError
 from tiercache.storage.base import BackendState, BackendStats, PageBuffer, PageKey, StorageBackend
 from tiercache.storage.format import (
@@ -365,12 +366,19 @@ class FileBackend(StorageBackend):
             return
         self.state = BackendState.CLOSED
         self._index.clear()
-        await _uncancelled(
-            asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
-        )
+        await finish(asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True))
         if self._root_fd is not None:
             os.close(self._root_fd)
             self._root_fd = None
+
+    @property
+    def publishes_unnamed(self) -> bool:
+        """Whether writes go to unnamed ``O_TMPFILE`` files before ``linkat`` publishes them.
+
+        ``False`` before the backend has started, and where the filesystem or
+        ``/proc`` lacks them: writes then go to named temporary files.
+        """
+        return self._tmpfile
 
     # --- the backend interface ---------------------------------------------------------------
 
@@ -397,30 +405,7 @@ class FileBackend(StorageBackend):
         await self._ready()
         results = await self._run_each(lambda i: self._read_job(ks[i], pages[i]), len(ks))
         self._check_open()
-        out: list[bool] = []
-        for k, r in zip(ks, results, strict=True):
-            if r.status == "hit":
-                self._adopt(k, r.size)
-                self._index.move_to_end(k)
-                self._stats.get_hits += 1
-                self._stats.bytes_read += r.size
-                out.append(True)
-                continue
-            self._forget(k)
-            if r.status == "stale":
-                logger.debug("file backend %s: page %s: %s", self.root, k, r.detail)
-            elif r.status == "corrupt":
-                self._stats.corrupt_pages += 1
-                logger.warning(
-                    "file backend %s: page %s failed its checks and was removed: %s",
-                    self.root,
-                    k,
-                    r.detail,
-                )
-            elif r.status == "error":
-                self._stats.errors += 1
-                logger.warning("file backend %s: cannot read page %s: %s", self.root, k, r.detail)
-            out.append(False)
+        out = [self._account_read(k, r) for k, r in zip(ks, results, strict=True)]
         self._stats.get_pages += len(ks)
         return out
 
@@ -428,22 +413,7 @@ class FileBackend(StorageBackend):
         ks = check_batch(keys, pages)
         await self._ready()
         out = [False] * len(ks)
-        todo: list[tuple[int, int]] = []  # (position, reserved bytes)
-        victims: list[str] = []
-        seen: set[str] = set()
-        for i, (k, page) in enumerate(zip(ks, pages, strict=True)):
-            if k in self._index or k in seen:
-                out[i] = True  # first writer wins
-                continue
-            size = _stored_size(k, page)
-            if self.capacity_bytes is not None:
-                if size > self.capacity_bytes:
-                    logger.debug("file backend: page %s (%d bytes) exceeds the capacity", k, size)
-                    continue
-                self._used += size
-                victims += self._pick_victims(0)
-            seen.add(k)
-            todo.append((i, size))
+        todo, victims = self._plan_writes(ks, pages, out)
         try:
             if victims:
                 await self._run([self._evict_job(victims)])
@@ -451,25 +421,12 @@ class FileBackend(StorageBackend):
                 lambda j: self._write_job(ks[todo[j][0]], pages[todo[j][0]]), len(todo)
             )
         except BaseException:
-            if self.capacity_bytes is not None:
-                self._used -= sum(size for _, size in todo)
+            self._release(sum(size for _, size in todo))
             raise
-        written = 0
         for (i, reserved), r in zip(todo, results, strict=True):
-            k = ks[i]
-            if self.capacity_bytes is not None:
-                self._used -= reserved
-            if r.status in ("written", "exists"):
-                out[i] = True
-                self._adopt(k, r.size or reserved)
-                if r.status == "written":
-                    written += 1
-                    self._stats.bytes_written += r.size
-            else:
-                self._stats.errors += 1
-                logger.warning("file backend %s: cannot write page %s: %s", self.root, k, r.detail)
+            self._release(reserved)
+            out[i] = self._account_write(ks[i], reserved, r)
         self._stats.set_pages += len(ks)
-        self._stats.set_written += written
         return out
 
     async def delete(self, keys: Sequence[PageKey]) -> int:
@@ -477,9 +434,7 @@ class FileBackend(StorageBackend):
         await self._ready()
         for k in ks:
             self._forget(k)
-        (n,) = await self._run(
-            [lambda: sum(self._unlink(self._path(k)) for k in dict.fromkeys(ks))]
-        )
+        (n,) = await self._run([lambda: sum(_unlink(self._path(k)) for k in dict.fromkeys(ks))])
         return n
 
     async def clear(self) -> None:
@@ -573,6 +528,73 @@ class FileBackend(StorageBackend):
             victims.append(k)
         return victims
 
+    def _account_read(self, key: str, r: _Result) -> bool:
+        """Fold one page read into the index and the stats; whether the page arrived."""
+        if r.status == "hit":
+            self._adopt(key, r.size)
+            self._index.move_to_end(key)
+            self._stats.get_hits += 1
+            self._stats.bytes_read += r.size
+            return True
+        self._forget(key)
+        if r.status == "stale":
+            logger.debug("file backend %s: page %s: %s", self.root, key, r.detail)
+        elif r.status == "corrupt":
+            self._stats.corrupt_pages += 1
+            logger.warning(
+                "file backend %s: page %s failed its checks and was removed: %s",
+                self.root, key, r.detail,
+            )  # fmt: skip
+        elif r.status == "error":
+            self._stats.errors += 1
+            logger.warning("file backend %s: cannot read page %s: %s", self.root, key, r.detail)
+        return False
+
+    def _plan_writes(
+        self, keys: Sequence[str], pages: Sequence[PageBuffer], out: list[bool]
+    ) -> tuple[list[tuple[int, int]], list[str]]:
+        """Which positions of a batch to write, with the bytes reserved for each; the victims.
+
+        Keys already stored (or repeated in the batch) are marked ``True`` in
+        ``out`` (first writer wins). With a capacity, each write reserves its
+        size now and least-recently-used keys are dropped from the index until
+        the total fits; the returned victims' files are for the caller to remove.
+        """
+        todo: list[tuple[int, int]] = []  # (position, reserved bytes)
+        victims: list[str] = []
+        seen: set[str] = set()
+        for i, (k, page) in enumerate(zip(keys, pages, strict=True)):
+            if k in self._index or k in seen:
+                out[i] = True
+                continue
+            size = _stored_size(k, page)
+            if self.capacity_bytes is not None:
+                if size > self.capacity_bytes:
+                    logger.debug("file backend: page %s (%d bytes) exceeds the capacity", k, size)
+                    continue
+                self._used += size
+                victims += self._pick_victims(0)
+            seen.add(k)
+            todo.append((i, size))
+        return todo, victims
+
+    def _release(self, reserved: int) -> None:
+        """Give back bytes that `_plan_writes` reserved (only a bounded backend reserves)."""
+        if self.capacity_bytes is not None:
+            self._used -= reserved
+
+    def _account_write(self, key: str, reserved: int, r: _Result) -> bool:
+        """Fold one page write into the index and the stats; whether the key is stored."""
+        if r.status not in ("written", "exists"):
+            self._stats.errors += 1
+            logger.warning("file backend %s: cannot write page %s: %s", self.root, key, r.detail)
+            return False
+        self._adopt(key, r.size or reserved)
+        if r.status == "written":
+            self._stats.set_written += 1
+            self._stats.bytes_written += r.size
+        return True
+
     async def _run(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
         """Run blocking jobs on the backend's threads; all or none, even when cancelled.
 
@@ -589,7 +611,7 @@ class FileBackend(StorageBackend):
                 cf.cancel()
             running = [cf for cf in cfs if not cf.done()]
             if running:
-                await _uncancelled(
+                await finish(
                     asyncio.get_running_loop().run_in_executor(
                         None, concurrent.futures.wait, running
                     )
@@ -639,13 +661,13 @@ class FileBackend(StorageBackend):
         try:
             await batch
         except asyncio.CancelledError:
-            await _uncancelled(finished)
+            await finish(finished)
             raise
         return results  # type: ignore[return-value]  # every index ran
 
     def _evict_job(self, victims: list[str]) -> Callable[[], Any]:
         paths = [self._path(k) for k in victims]
-        return lambda: [self._unlink(p) for p in paths]
+        return lambda: [_unlink(p) for p in paths]
 
     # --- jobs: run on the backend's threads, never touch loop state -------------------------
 
@@ -662,23 +684,26 @@ class FileBackend(StorageBackend):
                 _remove_entry(path)  # O_NOFOLLOW met a symbolic link
                 return _Result("corrupt", detail="a symbolic link stands where the page should be")
             try:
-                detail = self._read_fd(fd, key, page)
+                result = self._read_fd(fd, key, page)
             except StorageCorruptionError as e:
-                detail = str(e)
+                result = _Result("corrupt", detail=str(e))
             finally:
                 os.close(fd)
-            if detail is None:
-                return _Result("hit", _stored_size(key, page))
-            _remove_entry(path)
-            if detail.startswith("stale"):
-                return _Result("stale", detail=detail)
-            return _Result("corrupt", detail=detail)
+            if result.status != "hit":
+                _remove_entry(path)
+            return result
         except OSError as e:
             return _Result("error", detail=f"{type(e).__name__}: {e}")
 
     @staticmethod
-    def _read_fd(fd: int, key: str, page: PageBuffer) -> str | None:
-        """Read and verify one page file into ``page``; ``None``, or why it is not a page.
+    def _read_fd(fd: int, key: str, page: PageBuffer) -> _Result:
+        """Read and verify one page file into ``page``: a hit with the file's size, or why not.
+
+        Five system calls a page (``open``, ``fstat``, ``pread`` of the
+        header, one ``preadv`` of the payload into the page, ``close``), the
+        same as a plain ``open``/``readinto``/``close``; the payload is then
+        hashed where it landed. Nothing reaches ``page`` before the header
+        and the file's size have passed their checks.
 
         Raises:
             StorageCorruptionError: the header or the payload checksum is wrong.
@@ -686,21 +711,23 @@ class FileBackend(StorageBackend):
         """
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            return f"{_kind(st.st_mode)} stands where the page should be"
+            return _Result("corrupt", detail=f"{_kind(st.st_mode)} stands where the page should be")
         # As long as this backend's own headers (a file with more padding fails its checks).
         head = os.pread(fd, header_size(key, page.format, _ALIGN), 0)
         if is_older_version(head):
-            return "stale: a page of an older format version"
+            return _Result("stale", detail="a page of an older format version")
         # Decode what is there first: a wrong key or format says more than a size.
         h = decode_header(head)
         check_header(h, key, page)
         hlen = h.header_len  # any padding is read; this backend writes 4 KiB headers
         if st.st_size != hlen + page.nbytes:
-            return f"file is {st.st_size} bytes, expected {hlen + page.nbytes}"
+            return _Result(
+                "corrupt", detail=f"file is {st.st_size} bytes, expected {hlen + page.nbytes}"
+            )
         if _preadv_all(fd, page.segments, hlen) != page.nbytes:
-            return "file shrank while it was read"
+            return _Result("corrupt", detail="file shrank while it was read")
         verify_in_place(key, h, page)
-        return None
+        return _Result("hit", st.st_size)
 
     def _mkdirs(self, directory: str) -> None:
         for d in (self._root_str, directory):
@@ -781,7 +808,7 @@ class FileBackend(StorageBackend):
                 _fsync_dir(directory)
             return _Result("written", size)
         finally:
-            self._unlink(tmp)
+            _unlink(tmp)
 
     def _open_root(self) -> int | None:
         try:
@@ -802,7 +829,7 @@ class FileBackend(StorageBackend):
                 os.close(fd)
         except OSError:
             return False
-        self._unlink(probe)
+        _unlink(probe)
         return True
 
     def _exists_job(self, keys: Sequence[str]) -> list[tuple[str, int]]:
@@ -816,14 +843,6 @@ class FileBackend(StorageBackend):
                 break  # a damaged entry is a miss (a read or a write heals it)
             found.append((k, st.st_size))
         return found
-
-    @staticmethod
-    def _unlink(path: str | Path) -> bool:
-        try:
-            os.unlink(path)
-            return True
-        except FileNotFoundError:
-            return False
 
     def _shards(self) -> list[Path]:
         return [Path(e.path) for e in _list_dirs(self.root)]
@@ -865,7 +884,7 @@ class FileBackend(StorageBackend):
                         continue
                     if e.name.startswith(".") and e.name.endswith(_TMP_SUFFIX):
                         if st.st_mtime < stale_before:
-                            removed += self._unlink(e.path)
+                            removed += _unlink(e.path)
                     elif e.name.endswith(_SUFFIX) and stat.S_ISREG(st.st_mode):
                         pages.append((st.st_mtime, e.name[: -len(_SUFFIX)], st.st_size))
             for old in _list_dirs(shard):  # the version 1 layout
@@ -881,6 +900,15 @@ class FileBackend(StorageBackend):
                 _remove_page_files(Path(old.path), rmdir=True)
 
 
+def _unlink(path: str | Path) -> bool:
+    """Remove the file at ``path``; ``False`` if it was already gone."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def _remove_page_files(directory: Path, *, rmdir: bool) -> int:
     """Unlink the ``*.page`` and ``*.tmp`` files of ``directory`` (then the directory if empty)."""
     try:
@@ -888,7 +916,7 @@ def _remove_page_files(directory: Path, *, rmdir: bool) -> int:
             names = [e.path for e in it if e.name.endswith((_SUFFIX, _TMP_SUFFIX))]
     except FileNotFoundError:
         return 0
-    n = sum(FileBackend._unlink(p) for p in names)
+    n = sum(_unlink(p) for p in names)
     if rmdir:
         try:
             os.rmdir(directory)
@@ -1022,19 +1050,3 @@ def _fsync_dir(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-async def _uncancelled(fut: asyncio.Future[_T]) -> _T:
-    """Await ``fut`` to its end even if the caller is cancelled meanwhile; then re-raise."""
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(fut)
-            break
-        except asyncio.CancelledError:
-            if fut.cancelled():
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return result
