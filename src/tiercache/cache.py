@@ -121,7 +121,15 @@ class _RoomQueue:
         loop = asyncio.get_running_loop()
         ticket = object()
         self._tickets.append(ticket)
-        timer = loop.call_at(deadline, self.wake)
+        # The timer says when the deadline has passed: a loop may run it a hair
+        # before loop.time() reaches ``deadline``, so the clock alone is not asked.
+        expired = asyncio.Event()
+
+        def expire() -> None:
+            expired.set()
+            self.wake()
+
+        timer = loop.call_at(deadline, expire)
         try:
             while True:
                 event = self._event  # taken before the attempt: a wake during it is not lost
@@ -129,7 +137,7 @@ class _RoomQueue:
                     got = await attempt()
                     if got is not None:
                         return got
-                if loop.time() >= deadline:
+                if expired.is_set() or loop.time() >= deadline:
                     return None
                 await event.wait()
         finally:
