@@ -9,8 +9,17 @@ pool a backup to the host goes layer by layer, where both sides are
 contiguous and no temporary is needed at all.
 
 **Runs on a CPU device pool** are copied as the widest integer rows they
-allow: a one-page run of 128 KiB stays under torch's parallel grain, so pages
-scattered on both sides no longer pay an OpenMP fork and join per page.
+allow, in chunks of at most `_CPU_CHUNK_BYTES` (128 KiB) per layer and
+buffer: each chunk is one ``copy_`` under torch's parallel grain, so it runs
+serially on the copy worker's thread (no OpenMP fork and join, no second core
+taken from the event loop) and releases the GIL while it copies. Scattered
+pages, contiguous runs and the strided layers of a ``page_first`` host pool
+all go this way; one large strided ``copy_`` is several times slower than the
+same bytes in cache-sized pieces.
+
+**Scattered rows on CUDA** (runs too short to copy one by one) are gathered
+on the host into a reused page-locked `PinnedStaging` buffer, so the upload
+that follows is queued asynchronously instead of blocking the copy worker.
 """
 
 from __future__ import annotations
@@ -22,8 +31,9 @@ import torch
 from tiercache.errors import InvalidInputError
 from tiercache.memory.allocator import check_slot_indices
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
+from tiercache.transfer.streams import new_event
 
-__all__ = ["MAX_TEMP_BYTES", "CopyEngine", "TransferPlan"]
+__all__ = ["MAX_TEMP_BYTES", "CopyEngine", "PinnedStaging", "TransferPlan"]
 
 #: The most bytes one temporary of a copy holds (see the module docstring).
 MAX_TEMP_BYTES = 64 << 20
@@ -33,6 +43,16 @@ MAX_TEMP_BYTES = 64 << 20
 #: take one ``index_select`` + ``index_copy_`` pair (two passes over the bytes).
 #: Runs win while each run's copy is long compared with a call's overhead.
 _RUN_BREAK_EVEN_BYTES = 32 * 1024
+
+#: On a CPU device pool, the most bytes one ``copy_`` call moves. As int64
+#: rows that is 16,384 elements, under torch's parallel grain (32,768): every
+#: call runs serially on the copy worker's thread, with no OpenMP fork and
+#: join, and holds the worker in C code (the GIL released) for tens of
+#: microseconds at a time. A long run is cut into chunks of this size, so a
+#: copy never takes a second core from the event loop's thread, and a
+#: strided ``page_first`` layer is copied in cache-sized pieces (one large
+#: strided copy is several times slower than these pieces).
+_CPU_CHUNK_BYTES = 128 * 1024
 
 #: A load whose device side is at most this many contiguous runs gathers whole
 #: host pages into them with one ``index_select(..., out=run)`` per run: one
@@ -58,9 +78,79 @@ def _spans(n: int, unit: int, unit_bytes: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
 
+def _chunk_runs(
+    runs: tuple[tuple[int, int, int], ...], tokens: int
+) -> tuple[tuple[int, int, int], ...]:
+    """``runs`` (``(a, b, n)`` triples) cut into pieces of at most ``tokens`` tokens."""
+    return tuple(
+        (a + lo, b + lo, min(tokens, n - lo)) for a, b, n in runs for lo in range(0, n, tokens)
+    )
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``(n, H, D)`` -> ``(n, H*D)`` widest-int rows (a view; the token dim may be strided)."""
     return _int_view(t.view(t.shape[0], -1))
+
+
+class PinnedStaging:
+    """Reused host buffers that scattered host rows are gathered into before an upload.
+
+    A gather into pageable memory would make the host->device copy that
+    follows synchronous: the copy worker would wait for the DMA before it
+    could queue the next layer. Gathered into page-locked memory, the upload
+    is queued asynchronously on the current (copy) stream.
+
+    The buffers are used in turn (two by default), so the gather of one span
+    overlaps the upload of the previous one. Before a buffer is refilled, the
+    host waits (a blocking, non-spinning event) for the upload that last read
+    it. A buffer grows to the largest span a job asks for, never beyond
+    `MAX_TEMP_BYTES`, and is kept for the next job.
+
+    Used from one thread at a time (the load stream's worker).
+
+    Args:
+        pin: page-lock the buffers; only where CUDA is available. Without it
+            (a CPU-only machine) the buffers are ordinary memory and no event
+            is recorded: there is no asynchronous copy to wait for.
+        count: how many buffers to use in turn.
+    """
+
+    def __init__(self, pin: bool, count: int = 2) -> None:
+        self.pin = pin and torch.cuda.is_available()
+        self._buffers: list[torch.Tensor | None] = [None] * count
+        self._events: list[torch.cuda.Event | None] = [None] * count
+        self._next = 0
+
+    def take(self, like: torch.Tensor, rows: int) -> tuple[int, torch.Tensor]:
+        """A free ``(rows, *like.shape[1:])`` buffer of ``like``'s dtype, and its number.
+
+        Waits for the upload that last read it (if it has not finished).
+        """
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        ev = self._events[i]
+        if ev is not None:
+            ev.synchronize()
+            self._events[i] = None
+        shape = (rows, *like.shape[1:])
+        nbytes = rows * like[0].numel() * like.element_size()
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self._buffers[i] = buf
+        return i, buf[:nbytes].view(like.dtype).view(shape)
+
+    def release(self, i: int) -> None:
+        """Buffer ``i`` has been handed to an upload on the current stream: mark when it ends."""
+        if self.pin:
+            ev = new_event()
+            ev.record()
+            self._events[i] = ev
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold now."""
+        return sum(b.numel() for b in self._buffers if b is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +159,9 @@ class TransferPlan:
 
     ``runs`` is set when the pages form few enough contiguous
     ``(host_start, device_start, length)`` runs that plain slice copies beat
-    gather/scatter; otherwise the index tensors are used.
+    gather/scatter (on a CPU device pool they are copied as ``chunks``);
+    otherwise the index tensors are used (or, on a CPU device pool whose side
+    is a few contiguous runs, ``device_runs``).
     """
 
     host_indices: torch.Tensor  # CPU int64
@@ -78,10 +170,15 @@ class TransferPlan:
     num_tokens: int
     #: Contiguous runs on the device side alone, as ``(first page of the plan,
     #: device start slot, pages)``, and the host page ids in plan order; set
-    #: when the device side is a few runs (what a fresh allocation gives): a
-    #: load then gathers whole host pages straight into those runs.
+    #: on a CPU device pool when ``runs`` is not (pages too short to copy one
+    #: by one) and the device side is a few runs (what a fresh allocation
+    #: gives): a load then gathers whole host pages straight into those runs.
     device_runs: tuple[tuple[int, int, int], ...] | None = None
     host_pages: torch.Tensor | None = None
+    #: On a CPU device pool: ``runs`` cut into ``(host_start, device_start,
+    #: length)`` pieces of at most `_CPU_CHUNK_BYTES` per layer and buffer,
+    #: each copied with one serial ``copy_``.
+    chunks: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def empty(self) -> bool:
@@ -113,6 +210,12 @@ class CopyEngine:
         self.layout = device_pool.layout
         self.device = device_pool.device
         self.non_blocking = self.device.type == "cuda" and host_pool.pinned
+        #: Where a CUDA load gathers scattered host rows (`load_layer`'s index
+        #: path); ``None`` on a CPU device pool, which gathers straight into a
+        #: temporary it scatters from at once.
+        self.staging: PinnedStaging | None = (
+            PinnedStaging(pin=True) if self.device.type == "cuda" else None
+        )
 
     def plan(
         self, host_indices: torch.Tensor, device_indices: torch.Tensor, *, checked: bool = False
@@ -141,12 +244,17 @@ class CopyEngine:
         n = host.numel()
         runs = self._runs(host, dev) if n else ()
         dev_on_device = dev.to(self.device, non_blocking=True) if self.device.type != "cpu" else dev
-        device_runs, host_pages = None, None
-        if (runs is None or len(runs) > 4) and self.device.type == "cpu":
+        device_runs, host_pages, chunks = None, None, None
+        if self.device.type == "cpu" and runs is None:
+            # Pages too short for a copy each: gather whole host pages into
+            # the device side's runs when it has few (else the index path).
             device_runs = self._device_runs(dev)
             if device_runs is not None:
                 host_pages = host[::ps] // ps
-        return TransferPlan(host, dev_on_device, runs, n, device_runs, host_pages)
+        elif self.device.type == "cpu" and runs is not None:
+            per_chunk = max(1, _CPU_CHUNK_BYTES // self.layout.token_layer_bytes)
+            chunks = _chunk_runs(runs, per_chunk)
+        return TransferPlan(host, dev_on_device, runs, n, device_runs, host_pages, chunks)
 
     def _device_runs(self, dev: torch.Tensor) -> tuple[tuple[int, int, int], ...] | None:
         """Contiguous runs of the device side alone, or ``None`` when there are many."""
@@ -192,6 +300,9 @@ class CopyEngine:
         """Copy every layer of ``plan``'s device slots into its host slots."""
         if plan.empty:
             return
+        if plan.chunks is not None and plan.runs is not None and self.device.type == "cpu":
+            self._backup_chunks(plan.chunks, plan.runs)
+            return
         stacked = self.device_pool.stacked
         for b in range(self.layout.num_buffers):
             if stacked is None:
@@ -201,6 +312,33 @@ class CopyEngine:
                 self._backup_runs(b, stacked[b], plan.runs)
             else:
                 self._backup_gather(b, stacked[b], plan)
+
+    def _backup_chunks(
+        self, chunks: tuple[tuple[int, int, int], ...], runs: tuple[tuple[int, int, int], ...]
+    ) -> None:
+        """A CPU backup in serial copies of at most `_CPU_CHUNK_BYTES`.
+
+        Into a ``page_first`` host pool from a stacked device pool, each copy
+        moves every layer of a few tokens: the host side of it is contiguous,
+        and the device side is read in one piece per layer. Otherwise layer by
+        layer, ``chunks`` at a time.
+        """
+        lay, host, stacked = self.layout, self.host_pool, self.device_pool.stacked
+        if host.host_layout == "page_first" and stacked is not None:
+            per = max(1, _CPU_CHUNK_BYTES // (lay.num_layers * lay.token_layer_bytes))
+            whole_tokens = _chunk_runs(runs, per)
+            for b in range(lay.num_buffers):
+                src = _int_view(stacked[b].flatten(2))  # (L, S, H*D)
+                dst = _int_view(host.buffer[b].flatten(2))  # (S, L, H*D)
+                for h0, d0, n in whole_tokens:
+                    dst[h0 : h0 + n].copy_(src[:, d0 : d0 + n].transpose(0, 1))
+            return
+        for b in range(lay.num_buffers):
+            for layer in range(lay.num_layers):
+                src = _rows(self.device_pool.buffers[b][layer])
+                dst = _rows(host.layer(b, layer))
+                for h0, d0, n in chunks:
+                    dst[h0 : h0 + n].copy_(src[d0 : d0 + n])
 
     def _backup_runs(
         self, b: int, src_all: torch.Tensor, runs: tuple[tuple[int, int, int], ...]
@@ -254,21 +392,40 @@ class CopyEngine:
         """Copy layer ``layer`` of ``plan``'s host slots into its device slots."""
         if plan.empty:
             return
-        nb = self.non_blocking
         for b in range(self.layout.num_buffers):
             src = self.host_pool.layer(b, layer)
             dst = self.device_pool.buffers[b][layer]
-            if plan.device_runs is not None and plan.host_pages is not None:
+            if plan.chunks is not None and self.device.type == "cpu":
+                s, d = _rows(src), _rows(dst)
+                for h0, d0, n in plan.chunks:
+                    d[d0 : d0 + n].copy_(s[h0 : h0 + n])
+            elif plan.device_runs is not None and plan.host_pages is not None:
                 self._gather_pages(src, dst, plan.device_runs, plan.host_pages)
             elif plan.runs is not None:
                 self._copy_runs(dst, src, plan.runs)
             else:
-                per_token = self.layout.token_layer_bytes
-                for lo, hi in _spans(plan.num_tokens, self.layout.page_size, per_token):
-                    gathered = src.index_select(0, plan.host_indices[lo:hi])
-                    dst.index_copy_(
-                        0, plan.device_indices[lo:hi], gathered.to(self.device, non_blocking=nb)
-                    )
+                self._load_gathered(src, dst, plan)
+
+    def _load_gathered(self, src: torch.Tensor, dst: torch.Tensor, plan: TransferPlan) -> None:
+        """Scattered host rows into scattered device rows of one layer, span by span.
+
+        Without `staging` (a CPU device pool) the gather is a temporary of at
+        most `MAX_TEMP_BYTES`; with it (CUDA) the rows are gathered into a
+        page-locked staging buffer, uploaded asynchronously on the current
+        (copy) stream, then scattered on the device.
+        """
+        staging = self.staging
+        per_token = self.layout.token_layer_bytes
+        for lo, hi in _spans(plan.num_tokens, self.layout.page_size, per_token):
+            host_idx, dev_idx = plan.host_indices[lo:hi], plan.device_indices[lo:hi]
+            if staging is None:
+                dst.index_copy_(0, dev_idx, src.index_select(0, host_idx))
+                continue
+            i, buf = staging.take(src, hi - lo)
+            torch.index_select(src, 0, host_idx, out=buf)
+            gathered = buf.to(self.device, non_blocking=staging.pin)
+            staging.release(i)
+            dst.index_copy_(0, dev_idx, gathered)
 
     def _copy_runs(
         self,
