@@ -148,9 +148,14 @@ class PinnedStaging:
             self._events[i] = ev
 
     @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers allocated so far (flat ``uint8``)."""
+        return tuple(b for b in self._buffers if b is not None)
+
+    @property
     def nbytes(self) -> int:
         """Bytes the buffers hold now."""
-        return sum(b.numel() for b in self._buffers if b is not None)
+        return sum(b.numel() for b in self.buffers)
 
 
 @dataclass(frozen=True, slots=True)
