@@ -10,12 +10,16 @@ staging buffers on CUDA); for backup and load, ``layer_first`` and
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from tiercache import DeviceKVPool, HostKVPool, KVLayout
 from tiercache.transfer import engine as engine_module
 from tiercache.transfer.engine import MAX_TEMP_BYTES, CopyEngine, PinnedStaging, _spans
+from tiercache.transfer.streams import CopyStream
 
 PS = 4
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=PS)
@@ -318,3 +322,107 @@ def test_a_load_gathers_short_scattered_runs_through_the_staging_buffers(
     spans = len(host_pages) // 2
     assert takes == [2 * PS] * (spans * LAYOUT.num_buffers * LAYOUT.num_layers)
     assert staging.nbytes == 2 * 2 * PS * LAYOUT.token_layer_bytes  # two buffers of one span
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+def test_a_large_cpu_copy_is_shared_with_the_helper_thread(
+    host_layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From `_PARALLEL_MIN_BYTES` on, the stream's helper takes chunks: every byte lands once."""
+    monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
+    monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", LAYOUT.token_layer_bytes)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    device = _device(True)
+    _fill_device(device)
+    host = HostKVPool(LAYOUT, SLOTS, host_layout=host_layout)
+    engine = CopyEngine(device, host)
+    host_pages, dev_pages = PATTERNS["both scattered"]
+    h, d = _slots(host_pages), _slots(dev_pages)
+    want = _expect(device, d)
+    plan = engine.plan(h, d)
+    assert plan.chunks is not None
+    threads: set[str] = set()
+    real = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.0005)  # long enough for the helper to start before the caller is done
+        return real(self, src, non_blocking)
+
+    def job() -> None:
+        threads.add(threading.current_thread().name)
+        engine.backup_all_layers(plan)
+        for layer in range(LAYOUT.num_layers):
+            device.buffers[0][layer].zero_()
+            device.buffers[1][layer].zero_()
+            engine.load_layer(layer, plan)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    stream = CopyStream("chunks", torch.device("cpu"))
+    try:
+        stream.submit(job).result(timeout=30)
+    finally:
+        stream.close()
+    monkeypatch.setattr(torch.Tensor, "copy_", real)
+    got = _expect(device, d)
+    assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
+    assert threads == {"tiercache-chunks_0", "tiercache-chunks-helper_0"}
+
+
+def test_a_failing_chunk_is_raised_after_the_helper_has_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    dst, src = torch.zeros(64, 4), torch.ones(64, 4)
+    chunks = tuple((i, i, 1) for i in range(64))
+    running = [0]
+    real = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        running[0] += 1
+        try:
+            time.sleep(0.001)
+            if threading.current_thread().name.startswith("tiercache-fault-helper"):
+                raise RuntimeError("copy fault")
+            return real(self, other, non_blocking)
+        finally:
+            running[0] -= 1
+
+    def job() -> None:
+        try:
+            engine_module._copy_chunks([(dst, src)], chunks, False, 1 << 30)
+        finally:
+            left.append(running[0])
+
+    left: list[int] = []
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    stream = CopyStream("fault", torch.device("cpu"))
+    try:
+        with pytest.raises(RuntimeError, match="copy fault"):
+            stream.submit(job).result(timeout=30)
+    finally:
+        stream.close()
+    monkeypatch.setattr(torch.Tensor, "copy_", real)
+    assert left == [0]  # nothing still copying when the error reached the job
+
+
+def test_outside_a_copy_stream_a_large_copy_stays_on_the_calling_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    threads: set[str] = set()
+    real = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        threads.add(threading.current_thread().name)
+        return real(self, other, non_blocking)
+
+    dst, src = torch.zeros(64, 4), torch.ones(64, 4)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    engine_module._copy_chunks([(dst, src)], tuple((i, i, 1) for i in range(64)), False, 1 << 30)
+    monkeypatch.setattr(torch.Tensor, "copy_", real)
+    assert threads == {threading.current_thread().name}
+    assert torch.equal(dst, src)

@@ -15,7 +15,10 @@ serially on the copy worker's thread (no OpenMP fork and join, no second core
 taken from the event loop) and releases the GIL while it copies. Scattered
 pages, contiguous runs and the strided layers of a ``page_first`` host pool
 all go this way; one large strided ``copy_`` is several times slower than the
-same bytes in cache-sized pieces.
+same bytes in cache-sized pieces. Inside a copy stream's job, a copy of 4 MiB
+or more (`_PARALLEL_MIN_BYTES`) is shared, chunk by chunk, with the stream's
+helper thread when torch may use two threads or more: the speed of one
+OpenMP-parallel copy, without a fork and join per chunk.
 
 **Scattered rows on CUDA** (runs too short to copy one by one) are gathered
 on the host into a reused page-locked `PinnedStaging` buffer, so the upload
@@ -24,6 +27,7 @@ that follows is queued asynchronously instead of blocking the copy worker.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +35,7 @@ import torch
 from tiercache.errors import InvalidInputError
 from tiercache.memory.allocator import check_slot_indices
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
-from tiercache.transfer.streams import new_event
+from tiercache.transfer.streams import copy_helper, new_event
 
 __all__ = ["MAX_TEMP_BYTES", "CopyEngine", "PinnedStaging", "TransferPlan"]
 
@@ -53,6 +57,58 @@ _RUN_BREAK_EVEN_BYTES = 32 * 1024
 #: strided ``page_first`` layer is copied in cache-sized pieces (one large
 #: strided copy is several times slower than these pieces).
 _CPU_CHUNK_BYTES = 128 * 1024
+
+#: A CPU copy of at least this many bytes, run in a copy stream's job, is
+#: shared with the stream's helper thread (when torch may use two threads or
+#: more): the chunks are handed out one at a time to whichever thread is
+#: free, as OpenMP would split one large copy. Below it, the copy stays on the
+#: calling thread: no handoff, and nothing to wait for.
+_PARALLEL_MIN_BYTES = 4 << 20
+
+
+Chunk = tuple[int, int, int]
+
+
+def _copy_chunks(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    chunks: tuple[Chunk, ...],
+    to_host: bool,
+    nbytes: int,
+) -> None:
+    """For every ``(dst, src)`` of ``pairs`` and ``(h0, d0, n)`` of ``chunks``, one ``copy_``.
+
+    ``to_host``: ``dst[h0:h0+n] <- src[d0:d0+n]``; else ``dst[d0:d0+n] <-
+    src[h0:h0+n]``. From `_PARALLEL_MIN_BYTES` on (``nbytes``), inside a CPU
+    copy stream's job, the stream's helper thread takes chunks too. Returns
+    once every chunk is copied, the helper's included; if a copy fails,
+    raises its error once the helper has let go of the copy.
+    """
+    work = itertools.product(pairs, chunks)  # next() is atomic: both threads share it
+
+    def run() -> None:
+        for (dst, src), (h0, d0, n) in work:
+            if to_host:
+                dst[h0 : h0 + n].copy_(src[d0 : d0 + n])
+            else:
+                dst[d0 : d0 + n].copy_(src[h0 : h0 + n])
+
+    pool = copy_helper()
+    if pool is None or nbytes < _PARALLEL_MIN_BYTES or torch.get_num_threads() < 2:
+        run()
+        return
+    inference = torch.is_inference_mode_enabled()
+
+    def helper() -> None:
+        with torch.inference_mode(inference):  # the views were made in the caller's mode
+            run()
+
+    job = pool.submit(helper)
+    try:
+        run()
+    finally:
+        if not job.cancel():  # it started: the chunk it holds lands first
+            job.result()
+
 
 #: A load whose device side is at most this many contiguous runs gathers whole
 #: host pages into them with one ``index_select(..., out=run)`` per run: one
@@ -196,7 +252,9 @@ class CopyEngine:
     `backup_all_layers` copies every layer of the given device slots into host
     slots; `load_layer` copies one layer of host slots into device slots. Both
     are synchronous and run on a copy stream's worker thread; on CUDA they only
-    enqueue work on the current (copy) stream. Pages are moved as contiguous
+    enqueue work on the current (copy) stream. On a CPU device pool, inside a
+    copy stream's job, a copy of 4 MiB or more is shared with the stream's
+    helper thread (`copy_helper`); the call returns once both are done. Pages are moved as contiguous
     runs with ``copy_`` where both sides are contiguous for long enough, else
     with one vectorised ``index_select``/``index_copy_`` per layer and buffer,
     never a Python loop per token.
@@ -329,21 +387,25 @@ class CopyEngine:
         layer, ``chunks`` at a time.
         """
         lay, host, stacked = self.layout, self.host_pool, self.device_pool.stacked
+        nbytes = sum(n for _, _, n in runs) * lay.token_bytes
         if host.host_layout == "page_first" and stacked is not None:
             per = max(1, _CPU_CHUNK_BYTES // (lay.num_layers * lay.token_layer_bytes))
-            whole_tokens = _chunk_runs(runs, per)
-            for b in range(lay.num_buffers):
-                src = _int_view(stacked[b].flatten(2))  # (L, S, H*D)
-                dst = _int_view(host.buffer[b].flatten(2))  # (S, L, H*D)
-                for h0, d0, n in whole_tokens:
-                    dst[h0 : h0 + n].copy_(src[:, d0 : d0 + n].transpose(0, 1))
+            pairs = [
+                # (S, L, H*D) <- the (L, S, H*D) device buffer seen token-major
+                (
+                    _int_view(host.buffer[b].flatten(2)),
+                    _int_view(stacked[b].flatten(2)).transpose(0, 1),
+                )
+                for b in range(lay.num_buffers)
+            ]
+            _copy_chunks(pairs, _chunk_runs(runs, per), True, nbytes)
             return
-        for b in range(lay.num_buffers):
-            for layer in range(lay.num_layers):
-                src = _rows(self.device_pool.buffers[b][layer])
-                dst = _rows(host.layer(b, layer))
-                for h0, d0, n in chunks:
-                    dst[h0 : h0 + n].copy_(src[d0 : d0 + n])
+        pairs = [
+            (_rows(host.layer(b, layer)), _rows(self.device_pool.buffers[b][layer]))
+            for b in range(lay.num_buffers)
+            for layer in range(lay.num_layers)
+        ]
+        _copy_chunks(pairs, chunks, True, nbytes)
 
     def _backup_runs(
         self, b: int, src_all: torch.Tensor, runs: tuple[tuple[int, int, int], ...]
@@ -397,14 +459,18 @@ class CopyEngine:
         """Copy layer ``layer`` of ``plan``'s host slots into its device slots."""
         if plan.empty:
             return
+        if plan.chunks is not None and self.device.type == "cpu":
+            pairs = [
+                (_rows(self.device_pool.buffers[b][layer]), _rows(self.host_pool.layer(b, layer)))
+                for b in range(self.layout.num_buffers)
+            ]
+            nbytes = plan.num_tokens * self.layout.num_buffers * self.layout.token_layer_bytes
+            _copy_chunks(pairs, plan.chunks, False, nbytes)
+            return
         for b in range(self.layout.num_buffers):
             src = self.host_pool.layer(b, layer)
             dst = self.device_pool.buffers[b][layer]
-            if plan.chunks is not None and self.device.type == "cpu":
-                s, d = _rows(src), _rows(dst)
-                for h0, d0, n in plan.chunks:
-                    d[d0 : d0 + n].copy_(s[h0 : h0 + n])
-            elif plan.device_runs is not None and plan.host_pages is not None:
+            if plan.device_runs is not None and plan.host_pages is not None:
                 self._gather_pages(src, dst, plan.device_runs, plan.host_pages)
             elif plan.runs is not None:
                 self._copy_runs(dst, src, plan.runs)

@@ -29,9 +29,21 @@ import torch
 
 from tiercache.observe import observe
 
-__all__ = ["Completion", "CopyStream", "new_event"]
+__all__ = ["Completion", "CopyStream", "copy_helper", "new_event"]
 
 logger = logging.getLogger(__name__)
+
+_running = threading.local()
+
+
+def copy_helper() -> concurrent.futures.ThreadPoolExecutor | None:
+    """The helper thread of the CPU copy stream whose job runs on the calling thread.
+
+    ``None`` outside a job (and on CUDA streams, whose jobs only queue work).
+    A job may hand part of a large copy to it; the stream stops it on `close`.
+    """
+    helper: concurrent.futures.ThreadPoolExecutor | None = getattr(_running, "helper", None)
+    return helper
 
 
 def new_event() -> torch.cuda.Event:
@@ -106,6 +118,14 @@ class CopyStream:
             if self.is_cuda
             else None
         )
+        #: A CPU stream's second thread for large copies (see `copy_helper`).
+        self._helper = (
+            None
+            if self.is_cuda
+            else concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"tiercache-{name}-helper"
+            )
+        )
         self._closed = False
         self._pending = 0  # jobs submitted and not settled
         self._lock = threading.Lock()
@@ -170,12 +190,16 @@ class CopyStream:
         If it raises, the stream is settled first: nothing the job queued is
         still running when the failure is reported.
         """
-        with self._context(), torch.inference_mode():
-            try:
-                done = job()
-            except BaseException:
-                self.settle()
-                raise
+        _running.helper = self._helper
+        try:
+            with self._context(), torch.inference_mode():
+                try:
+                    done = job()
+                except BaseException:
+                    self.settle()
+                    raise
+        finally:
+            _running.helper = None
         return Completion() if done is None else done
 
     def _job_finished(self, started: float) -> None:
@@ -228,6 +252,8 @@ class CopyStream:
         self._executor.shutdown(wait=True)
         if self._completer is not None:
             self._completer.shutdown(wait=True)
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
 
     def __repr__(self) -> str:
         return f"CopyStream({self.name!r}, device={self.device})"
