@@ -184,6 +184,7 @@ def _engine_rows(
                         "load_ratio": t_base_l / t_load,
                     }
                 )
+            engine.close()  # its helper thread, started by the copies above
             del host, engine
         del device
     return rows
@@ -313,6 +314,7 @@ async def _scaling(spec: dict[str, int], memcpy: _Memcpy, repeat: int) -> dict[s
             )
             t_cb, t_cl = await _timed_async([c_backup, c_load], repeat)
             await c.reset()
+            c.engine.close()  # the helper the direct engine copies above started
             points.append(
                 {
                     "pages": pages,

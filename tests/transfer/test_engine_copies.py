@@ -19,7 +19,7 @@ import torch
 from tiercache import DeviceKVPool, HostKVPool, KVLayout
 from tiercache.transfer import engine as engine_module
 from tiercache.transfer.engine import MAX_TEMP_BYTES, CopyEngine, PinnedStaging, _spans
-from tiercache.transfer.streams import CopyStream
+from tiercache.transfer.streams import CopyStream, copy_helper
 
 PS = 4
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=PS)
@@ -392,7 +392,7 @@ def test_a_failing_chunk_is_raised_after_the_helper_has_stopped(
 
     def job() -> None:
         try:
-            engine_module._copy_chunks([(dst, src)], chunks, False, 1 << 30)
+            engine_module._copy_chunks([(dst, src)], chunks, False, 1 << 30, copy_helper())
         finally:
             left.append(running[0])
 
@@ -408,21 +408,47 @@ def test_a_failing_chunk_is_raised_after_the_helper_has_stopped(
     assert left == [0]  # nothing still copying when the error reached the job
 
 
-def test_outside_a_copy_stream_a_large_copy_stays_on_the_calling_thread(
+def test_outside_a_copy_stream_the_engine_shares_with_its_own_helper_until_closed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", LAYOUT.token_layer_bytes)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    device = _device(True)
+    _fill_device(device)
+    engine = CopyEngine(device, HostKVPool(LAYOUT, SLOTS))
+    h = d = _slots(list(range(16)))
+    plan = engine.plan(h, d)
     threads: set[str] = set()
     real = torch.Tensor.copy_
 
     def copy_(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         threads.add(threading.current_thread().name)
+        time.sleep(0.0005)
         return real(self, other, non_blocking)
 
-    dst, src = torch.zeros(64, 4), torch.ones(64, 4)
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
-    engine_module._copy_chunks([(dst, src)], tuple((i, i, 1) for i in range(64)), False, 1 << 30)
-    monkeypatch.setattr(torch.Tensor, "copy_", real)
-    assert threads == {threading.current_thread().name}
-    assert torch.equal(dst, src)
+    try:
+        engine.backup_all_layers(plan)
+    finally:
+        monkeypatch.setattr(torch.Tensor, "copy_", real)
+        engine.close()
+    assert threads == {threading.current_thread().name, "tiercache-engine-helper_0"}
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("tiercache-engine")]
+    assert not alive  # close stopped it
+    for b in range(LAYOUT.num_buffers):
+        for layer in range(LAYOUT.num_layers):
+            assert torch.equal(engine.host_pool.layer(b, layer)[h], device.buffers[b][layer][d])
+
+
+def test_a_small_cpu_copy_never_leaves_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below `_PARALLEL_MIN_BYTES` (every copy a controller runs inline) no helper is involved."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    device = _device(True)
+    engine = CopyEngine(device, HostKVPool(LAYOUT, SLOTS))
+    plan = engine.plan(_slots(list(range(16))), _slots(list(range(16))))
+    assert engine.plan_bytes(plan) < engine_module._PARALLEL_MIN_BYTES
+    engine.backup_all_layers(plan)
+    for layer in range(LAYOUT.num_layers):
+        engine.load_layer(layer, plan)
+    assert not [t for t in threading.enumerate() if t.name.startswith("tiercache-engine")]

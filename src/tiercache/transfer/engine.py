@@ -11,14 +11,17 @@ contiguous and no temporary is needed at all.
 **Runs on a CPU device pool** are copied as the widest integer rows they
 allow, in chunks of at most `_CPU_CHUNK_BYTES` (128 KiB) per layer and
 buffer: each chunk is one ``copy_`` under torch's parallel grain, so it runs
-serially on the copy worker's thread (no OpenMP fork and join, no second core
-taken from the event loop) and releases the GIL while it copies. Scattered
-pages, contiguous runs and the strided layers of a ``page_first`` host pool
-all go this way; one large strided ``copy_`` is several times slower than the
-same bytes in cache-sized pieces. Inside a copy stream's job, a copy of 4 MiB
-or more (`_PARALLEL_MIN_BYTES`) is shared, chunk by chunk, with the stream's
-helper thread when torch may use two threads or more: the speed of one
-OpenMP-parallel copy, without a fork and join per chunk.
+serially on its thread (no OpenMP fork and join per chunk) and releases the
+GIL while it copies. Scattered pages, contiguous runs and the strided layers
+of a ``page_first`` host pool all go this way (a load of scattered host pages
+into a few device runs, what a fresh allocation gives, gathers whole pages
+into each run with one ``index_select`` instead). One large strided
+``copy_`` is several times slower than the same bytes in cache-sized pieces.
+A copy of 4 MiB or more (`_PARALLEL_MIN_BYTES`) is shared, chunk by chunk,
+with one helper thread when torch may use two threads or more (the copy
+stream's, inside a stream's job; else the engine's own, until
+`CopyEngine.close`): two threads, as a parallel memcpy has, without a fork
+and join per chunk.
 
 **Scattered rows on CUDA** (runs too short to copy one by one) are gathered
 on the host into a reused page-locked `PinnedStaging` buffer, so the upload
@@ -27,7 +30,9 @@ that follows is queued asynchronously instead of blocking the copy worker.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -58,11 +63,11 @@ _RUN_BREAK_EVEN_BYTES = 32 * 1024
 #: strided copy is several times slower than these pieces).
 _CPU_CHUNK_BYTES = 128 * 1024
 
-#: A CPU copy of at least this many bytes, run in a copy stream's job, is
-#: shared with the stream's helper thread (when torch may use two threads or
-#: more): the chunks are handed out one at a time to whichever thread is
-#: free, as OpenMP would split one large copy. Below it, the copy stays on the
-#: calling thread: no handoff, and nothing to wait for.
+#: A CPU copy of at least this many bytes is shared with a helper thread (when
+#: torch may use two threads or more): the chunks are handed out one at a
+#: time to whichever thread is free, as OpenMP would split one large copy.
+#: Below it, the copy stays on the calling thread: no handoff, and nothing to
+#: wait for on an event loop that runs a small copy inline.
 _PARALLEL_MIN_BYTES = 4 << 20
 
 
@@ -74,14 +79,15 @@ def _copy_chunks(
     chunks: tuple[Chunk, ...],
     to_host: bool,
     nbytes: int,
+    pool: concurrent.futures.ThreadPoolExecutor | None = None,
 ) -> None:
     """For every ``(dst, src)`` of ``pairs`` and ``(h0, d0, n)`` of ``chunks``, one ``copy_``.
 
     ``to_host``: ``dst[h0:h0+n] <- src[d0:d0+n]``; else ``dst[d0:d0+n] <-
-    src[h0:h0+n]``. From `_PARALLEL_MIN_BYTES` on (``nbytes``), inside a CPU
-    copy stream's job, the stream's helper thread takes chunks too. Returns
-    once every chunk is copied, the helper's included; if a copy fails,
-    raises its error once the helper has let go of the copy.
+    src[h0:h0+n]``. From `_PARALLEL_MIN_BYTES` on (``nbytes``), the helper
+    thread of ``pool`` takes chunks too. Returns once every chunk is copied,
+    the helper's included; if a copy fails, raises its error once the helper
+    has let go of the copy.
     """
     work = itertools.product(pairs, chunks)  # next() is atomic: both threads share it
 
@@ -92,7 +98,6 @@ def _copy_chunks(
             else:
                 dst[d0 : d0 + n].copy_(src[h0 : h0 + n])
 
-    pool = copy_helper()
     if pool is None or nbytes < _PARALLEL_MIN_BYTES or torch.get_num_threads() < 2:
         run()
         return
@@ -221,8 +226,8 @@ class TransferPlan:
     ``runs`` is set when the pages form few enough contiguous
     ``(host_start, device_start, length)`` runs that plain slice copies beat
     gather/scatter (on a CPU device pool they are copied as ``chunks``);
-    otherwise the index tensors are used (or, on a CPU device pool whose side
-    is a few contiguous runs, ``device_runs``).
+    otherwise the index tensors are used. A CPU load into a device side of a
+    few contiguous runs uses ``device_runs`` before either.
     """
 
     host_indices: torch.Tensor  # CPU int64
@@ -231,9 +236,10 @@ class TransferPlan:
     num_tokens: int
     #: Contiguous runs on the device side alone, as ``(first page of the plan,
     #: device start slot, pages)``, and the host page ids in plan order; set
-    #: on a CPU device pool when ``runs`` is not (pages too short to copy one
-    #: by one) and the device side is a few runs (what a fresh allocation
-    #: gives): a load then gathers whole host pages straight into those runs.
+    #: on a CPU device pool when the host side is scattered (``runs`` is
+    #: ``None`` or many) and the device side is a few runs (what a fresh
+    #: allocation gives): a load then gathers whole host pages straight into
+    #: those runs, one ``index_select`` a run (a backup still uses ``chunks``).
     device_runs: tuple[tuple[int, int, int], ...] | None = None
     host_pages: torch.Tensor | None = None
     #: On a CPU device pool: ``runs`` cut into ``(host_start, device_start,
@@ -252,9 +258,10 @@ class CopyEngine:
     `backup_all_layers` copies every layer of the given device slots into host
     slots; `load_layer` copies one layer of host slots into device slots. Both
     are synchronous and run on a copy stream's worker thread; on CUDA they only
-    enqueue work on the current (copy) stream. On a CPU device pool, inside a
-    copy stream's job, a copy of 4 MiB or more is shared with the stream's
-    helper thread (`copy_helper`); the call returns once both are done. Pages are moved as contiguous
+    enqueue work on the current (copy) stream. On a CPU device pool a copy of
+    4 MiB or more is shared with a helper thread (the copy stream's inside a
+    stream's job, else the engine's own: see `close`); the call returns once
+    both are done. Pages are moved as contiguous
     runs with ``copy_`` where both sides are contiguous for long enough, else
     with one vectorised ``index_select``/``index_copy_`` per layer and buffer,
     never a Python loop per token.
@@ -279,6 +286,37 @@ class CopyEngine:
         self.staging: PinnedStaging | None = (
             PinnedStaging(pin=True) if self.device.type == "cuda" else None
         )
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
+        self._helper_lock = threading.Lock()
+
+    def _helper_pool(self, nbytes: int) -> concurrent.futures.ThreadPoolExecutor | None:
+        """The thread that shares a CPU copy of ``nbytes``, or ``None`` to copy alone.
+
+        Inside a copy stream's job, the stream's helper (`copy_helper`);
+        otherwise the engine's own, started on first use and stopped by `close`.
+        """
+        if nbytes < _PARALLEL_MIN_BYTES or torch.get_num_threads() < 2:
+            return None
+        pool = copy_helper()
+        if pool is not None:
+            return pool
+        with self._helper_lock:
+            if self._helper is None:
+                self._helper = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="tiercache-engine-helper"
+                )
+            return self._helper
+
+    def close(self) -> None:
+        """Stop the engine's own helper thread, if it started one. Idempotent.
+
+        Only copies made outside a copy stream start it; the engine stays
+        usable (a later large copy starts a new one).
+        """
+        with self._helper_lock:
+            helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.shutdown(wait=True)
 
     def plan(
         self, host_indices: torch.Tensor, device_indices: torch.Tensor, *, checked: bool = False
@@ -308,13 +346,13 @@ class CopyEngine:
         runs = self._runs(host, dev) if n else ()
         dev_on_device = dev.to(self.device, non_blocking=True) if self.device.type != "cpu" else dev
         device_runs, host_pages, chunks = None, None, None
-        if self.device.type == "cpu" and runs is None:
-            # Pages too short for a copy each: gather whole host pages into
-            # the device side's runs when it has few (else the index path).
+        if self.device.type == "cpu" and (runs is None or len(runs) > 4):
+            # Scattered host pages: gathered whole into the device side's runs
+            # when it has few (a fresh allocation), one index_select a run.
             device_runs = self._device_runs(dev)
             if device_runs is not None:
                 host_pages = host[::ps] // ps
-        elif self.device.type == "cpu" and runs is not None:
+        if self.device.type == "cpu" and runs is not None:
             per_chunk = max(1, _CPU_CHUNK_BYTES // self.layout.token_layer_bytes)
             chunks = _chunk_runs(runs, per_chunk)
         return TransferPlan(host, dev_on_device, runs, n, device_runs, host_pages, chunks)
@@ -398,14 +436,14 @@ class CopyEngine:
                 )
                 for b in range(lay.num_buffers)
             ]
-            _copy_chunks(pairs, _chunk_runs(runs, per), True, nbytes)
+            _copy_chunks(pairs, _chunk_runs(runs, per), True, nbytes, self._helper_pool(nbytes))
             return
         pairs = [
             (_rows(host.layer(b, layer)), _rows(self.device_pool.buffers[b][layer]))
             for b in range(lay.num_buffers)
             for layer in range(lay.num_layers)
         ]
-        _copy_chunks(pairs, chunks, True, nbytes)
+        _copy_chunks(pairs, chunks, True, nbytes, self._helper_pool(nbytes))
 
     def _backup_runs(
         self, b: int, src_all: torch.Tensor, runs: tuple[tuple[int, int, int], ...]
@@ -459,13 +497,13 @@ class CopyEngine:
         """Copy layer ``layer`` of ``plan``'s host slots into its device slots."""
         if plan.empty:
             return
-        if plan.chunks is not None and self.device.type == "cpu":
+        if plan.chunks is not None and plan.device_runs is None and self.device.type == "cpu":
             pairs = [
                 (_rows(self.device_pool.buffers[b][layer]), _rows(self.host_pool.layer(b, layer)))
                 for b in range(self.layout.num_buffers)
             ]
             nbytes = plan.num_tokens * self.layout.num_buffers * self.layout.token_layer_bytes
-            _copy_chunks(pairs, plan.chunks, False, nbytes)
+            _copy_chunks(pairs, plan.chunks, False, nbytes, self._helper_pool(nbytes))
             return
         for b in range(self.layout.num_buffers):
             src = self.host_pool.layer(b, layer)
