@@ -1,11 +1,11 @@
 """CopyEngine copies: every path moves the right bytes, and no temporary outgrows the bound.
 
-The paths: contiguous runs and scattered pages (serial integer-row copies of
-at most 128 KiB on a CPU device pool, every layer of a few tokens at once in
-a ``page_first`` backup), a scattered host of short pages into a fresh device
-run (page gather), many short runs (index gather/scatter, through the pinned
-staging buffers on CUDA); for backup and load, ``layer_first`` and
-``page_first`` host pools, stacked and caller-owned device buffers.
+The paths: contiguous runs, scattered pages (a load copies them as serial
+integer-row chunks of at most 128 KiB, shared with a helper thread when
+large), scattered host pages into a fresh device run (page gather), many
+short runs (index gather/scatter, through the pinned staging buffers on
+CUDA); for backup and load, ``layer_first`` and ``page_first`` host pools,
+stacked and caller-owned device buffers.
 """
 
 from __future__ import annotations
@@ -220,24 +220,23 @@ def test_the_gpu_backup_branches_move_every_byte(
 
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "caller-buffers"])
-def test_no_cpu_copy_moves_more_than_a_chunk(
+def test_a_scattered_cpu_load_copies_in_chunks_of_at_most_the_bound(
     host_layout: str, stacked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Long runs on a CPU pool are copied in pieces of at most `_CPU_CHUNK_BYTES`.
-
-    Each piece stays under torch's parallel grain: one thread, and the GIL
-    released for a bounded time.
-    """
-    chunk = 5 * LAYOUT.token_layer_bytes
+    """Each piece stays under torch's parallel grain: one thread, the GIL released briefly."""
+    chunk = 3 * LAYOUT.token_layer_bytes  # pages of 4 tokens: pieces of 3 and 1
     monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
     device = _device(stacked)
     _fill_device(device)
     host = HostKVPool(LAYOUT, SLOTS, host_layout=host_layout)
     engine = CopyEngine(device, host)
-    h, d = _slots(list(range(0, 16))), _slots(list(range(8, 24)))  # one run of 64 tokens
+    host_pages, dev_pages = PATTERNS["both scattered"]
+    h, d = _slots(host_pages), _slots(dev_pages)
     want = _expect(device, d)
     plan = engine.plan(h, d)
-    assert plan.runs is not None and len(plan.runs) == 1
+    assert plan.chunks is not None and plan.device_runs is None
+    engine.backup_all_layers(plan)
     sizes: list[int] = []
     real = torch.Tensor.copy_
 
@@ -245,18 +244,18 @@ def test_no_cpu_copy_moves_more_than_a_chunk(
         sizes.append(self.nbytes)
         return real(self, src, non_blocking)
 
-    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
-    engine.backup_all_layers(plan)
-    backups = len(sizes)
     for layer in range(LAYOUT.num_layers):
         device.buffers[0][layer].zero_()
         device.buffers[1][layer].zero_()
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    for layer in range(LAYOUT.num_layers):
         engine.load_layer(layer, plan)
     monkeypatch.setattr(torch.Tensor, "copy_", real)
     got = _expect(device, d)
     assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
     assert max(sizes) <= chunk
-    assert backups > 1 and len(sizes) > backups + 1
+    pieces = 2 * len(host_pages)  # 3 + 1 tokens a page
+    assert len(sizes) == pieces * LAYOUT.num_buffers * LAYOUT.num_layers
 
 
 def test_pinned_staging_buffers_take_turns_and_grow_to_the_largest_span() -> None:
@@ -414,11 +413,19 @@ def test_outside_a_copy_stream_the_engine_shares_with_its_own_helper_until_close
     monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", LAYOUT.token_layer_bytes)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
     device = _device(True)
     _fill_device(device)
     engine = CopyEngine(device, HostKVPool(LAYOUT, SLOTS))
-    h = d = _slots(list(range(16)))
+    host_pages, dev_pages = PATTERNS["both scattered"]
+    h, d = _slots(host_pages), _slots(dev_pages)
+    want = _expect(device, d)
     plan = engine.plan(h, d)
+    assert plan.chunks is not None
+    engine.backup_all_layers(plan)
+    for layer in range(LAYOUT.num_layers):
+        device.buffers[0][layer].zero_()
+        device.buffers[1][layer].zero_()
     threads: set[str] = set()
     real = torch.Tensor.copy_
 
@@ -429,16 +436,16 @@ def test_outside_a_copy_stream_the_engine_shares_with_its_own_helper_until_close
 
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
     try:
-        engine.backup_all_layers(plan)
+        for layer in range(LAYOUT.num_layers):
+            engine.load_layer(layer, plan)
     finally:
         monkeypatch.setattr(torch.Tensor, "copy_", real)
         engine.close()
     assert threads == {threading.current_thread().name, "tiercache-engine-helper_0"}
     alive = [t.name for t in threading.enumerate() if t.name.startswith("tiercache-engine")]
     assert not alive  # close stopped it
-    for b in range(LAYOUT.num_buffers):
-        for layer in range(LAYOUT.num_layers):
-            assert torch.equal(engine.host_pool.layer(b, layer)[h], device.buffers[b][layer][d])
+    got = _expect(device, d)
+    assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
 
 
 def test_a_small_cpu_copy_never_leaves_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,19 +9,17 @@ pool a backup to the host goes layer by layer, where both sides are
 contiguous and no temporary is needed at all.
 
 **Runs on a CPU device pool** are copied as the widest integer rows they
-allow, in chunks of at most `_CPU_CHUNK_BYTES` (128 KiB) per layer and
-buffer: each chunk is one ``copy_`` under torch's parallel grain, so it runs
-serially on its thread (no OpenMP fork and join per chunk) and releases the
-GIL while it copies. Scattered pages, contiguous runs and the strided layers
-of a ``page_first`` host pool all go this way (a load of scattered host pages
-into a few device runs, what a fresh allocation gives, gathers whole pages
-into each run with one ``index_select`` instead). One large strided
-``copy_`` is several times slower than the same bytes in cache-sized pieces.
-A copy of 4 MiB or more (`_PARALLEL_MIN_BYTES`) is shared, chunk by chunk,
-with one helper thread when torch may use two threads or more (the copy
-stream's, inside a stream's job; else the engine's own, until
-`CopyEngine.close`): two threads, as a parallel memcpy has, without a fork
-and join per chunk.
+allow. A few runs (a fresh allocation, a contiguous backup) take one
+``copy_`` each, which torch spreads over its threads as it does a memcpy.
+The many one-page runs of a load scattered on both sides are cut into chunks
+of at most `_CPU_CHUNK_BYTES` (128 KiB) per layer and buffer, each one
+``copy_`` under torch's parallel grain (no OpenMP fork and join per page),
+handed out one at a time to the copying thread and one helper thread when
+the layer holds 4 MiB or more (`_PARALLEL_MIN_BYTES`) and torch may use two
+threads: the copy stream's helper inside a stream's job, else the engine's
+own, until `CopyEngine.close`. A load of scattered host pages into a few
+device runs (what a fresh allocation gives) gathers whole pages into each
+run with one ``index_select`` instead.
 
 **Scattered rows on CUDA** (runs too short to copy one by one) are gathered
 on the host into a reused page-locked `PinnedStaging` buffer, so the upload
@@ -53,14 +51,10 @@ MAX_TEMP_BYTES = 64 << 20
 #: Runs win while each run's copy is long compared with a call's overhead.
 _RUN_BREAK_EVEN_BYTES = 32 * 1024
 
-#: On a CPU device pool, the most bytes one ``copy_`` call moves. As int64
-#: rows that is 16,384 elements, under torch's parallel grain (32,768): every
-#: call runs serially on the copy worker's thread, with no OpenMP fork and
-#: join, and holds the worker in C code (the GIL released) for tens of
-#: microseconds at a time. A long run is cut into chunks of this size, so a
-#: copy never takes a second core from the event loop's thread, and a
-#: strided ``page_first`` layer is copied in cache-sized pieces (one large
-#: strided copy is several times slower than these pieces).
+#: On a CPU device pool, the most bytes one ``copy_`` of a scattered load
+#: moves. As int64 rows that is 16,384 elements, under torch's parallel grain
+#: (32,768): every call runs serially on its thread, with no OpenMP fork and
+#: join, and releases the GIL for tens of microseconds at a time.
 _CPU_CHUNK_BYTES = 128 * 1024
 
 #: A CPU copy of at least this many bytes is shared with a helper thread (when
@@ -225,7 +219,7 @@ class TransferPlan:
 
     ``runs`` is set when the pages form few enough contiguous
     ``(host_start, device_start, length)`` runs that plain slice copies beat
-    gather/scatter (on a CPU device pool they are copied as ``chunks``);
+    gather/scatter (a CPU load of many of them copies ``chunks``);
     otherwise the index tensors are used. A CPU load into a device side of a
     few contiguous runs uses ``device_runs`` before either.
     """
@@ -239,12 +233,13 @@ class TransferPlan:
     #: on a CPU device pool when the host side is scattered (``runs`` is
     #: ``None`` or many) and the device side is a few runs (what a fresh
     #: allocation gives): a load then gathers whole host pages straight into
-    #: those runs, one ``index_select`` a run (a backup still uses ``chunks``).
+    #: those runs, one ``index_select`` a run.
     device_runs: tuple[tuple[int, int, int], ...] | None = None
     host_pages: torch.Tensor | None = None
-    #: On a CPU device pool: ``runs`` cut into ``(host_start, device_start,
-    #: length)`` pieces of at most `_CPU_CHUNK_BYTES` per layer and buffer,
-    #: each copied with one serial ``copy_``.
+    #: On a CPU device pool, when there are more than `_MAX_GATHER_RUNS`
+    #: runs: ``runs`` cut into ``(host_start, device_start, length)`` pieces
+    #: of at most `_CPU_CHUNK_BYTES` per layer and buffer, each copied by a
+    #: load with one serial ``copy_``.
     chunks: tuple[tuple[int, int, int], ...] | None = None
 
     @property
@@ -258,10 +253,10 @@ class CopyEngine:
     `backup_all_layers` copies every layer of the given device slots into host
     slots; `load_layer` copies one layer of host slots into device slots. Both
     are synchronous and run on a copy stream's worker thread; on CUDA they only
-    enqueue work on the current (copy) stream. On a CPU device pool a copy of
-    4 MiB or more is shared with a helper thread (the copy stream's inside a
-    stream's job, else the engine's own: see `close`); the call returns once
-    both are done. Pages are moved as contiguous
+    enqueue work on the current (copy) stream. On a CPU device pool a
+    scattered load of 4 MiB or more a layer is shared with a helper thread
+    (the copy stream's inside a stream's job, else the engine's own: see
+    `close`); the call returns once both are done. Pages are moved as contiguous
     runs with ``copy_`` where both sides are contiguous for long enough, else
     with one vectorised ``index_select``/``index_copy_`` per layer and buffer,
     never a Python loop per token.
@@ -352,7 +347,7 @@ class CopyEngine:
             device_runs = self._device_runs(dev)
             if device_runs is not None:
                 host_pages = host[::ps] // ps
-        if self.device.type == "cpu" and runs is not None:
+        if self.device.type == "cpu" and runs is not None and len(runs) > _MAX_GATHER_RUNS:
             per_chunk = max(1, _CPU_CHUNK_BYTES // self.layout.token_layer_bytes)
             chunks = _chunk_runs(runs, per_chunk)
         return TransferPlan(host, dev_on_device, runs, n, device_runs, host_pages, chunks)
@@ -401,9 +396,6 @@ class CopyEngine:
         """Copy every layer of ``plan``'s device slots into its host slots."""
         if plan.empty:
             return
-        if plan.chunks is not None and plan.runs is not None and self.device.type == "cpu":
-            self._backup_chunks(plan.chunks, plan.runs)
-            return
         stacked = self.device_pool.stacked
         for b in range(self.layout.num_buffers):
             if stacked is None:
@@ -413,37 +405,6 @@ class CopyEngine:
                 self._backup_runs(b, stacked[b], plan.runs)
             else:
                 self._backup_gather(b, stacked[b], plan)
-
-    def _backup_chunks(
-        self, chunks: tuple[tuple[int, int, int], ...], runs: tuple[tuple[int, int, int], ...]
-    ) -> None:
-        """A CPU backup in serial copies of at most `_CPU_CHUNK_BYTES`.
-
-        Into a ``page_first`` host pool from a stacked device pool, each copy
-        moves every layer of a few tokens: the host side of it is contiguous,
-        and the device side is read in one piece per layer. Otherwise layer by
-        layer, ``chunks`` at a time.
-        """
-        lay, host, stacked = self.layout, self.host_pool, self.device_pool.stacked
-        nbytes = sum(n for _, _, n in runs) * lay.token_bytes
-        if host.host_layout == "page_first" and stacked is not None:
-            per = max(1, _CPU_CHUNK_BYTES // (lay.num_layers * lay.token_layer_bytes))
-            pairs = [
-                # (S, L, H*D) <- the (L, S, H*D) device buffer seen token-major
-                (
-                    _int_view(host.buffer[b].flatten(2)),
-                    _int_view(stacked[b].flatten(2)).transpose(0, 1),
-                )
-                for b in range(lay.num_buffers)
-            ]
-            _copy_chunks(pairs, _chunk_runs(runs, per), True, nbytes, self._helper_pool(nbytes))
-            return
-        pairs = [
-            (_rows(host.layer(b, layer)), _rows(self.device_pool.buffers[b][layer]))
-            for b in range(lay.num_buffers)
-            for layer in range(lay.num_layers)
-        ]
-        _copy_chunks(pairs, chunks, True, nbytes, self._helper_pool(nbytes))
 
     def _backup_runs(
         self, b: int, src_all: torch.Tensor, runs: tuple[tuple[int, int, int], ...]
