@@ -51,7 +51,8 @@ bench-quick: install
 # benchmarks (quick sizes), JSON under benchmarks/results/gpu. Under 5 minutes on one GPU.
 bench-gpu: install
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'bench-gpu needs CUDA')"
-	$(PY) -m pytest -q -m gpu
+	$(PY) -m pytest -q -m "gpu and not sglang and not vllm" \
+	  --ignore=tests/integrations/sglang --ignore=tests/integrations/vllm
 	$(PY) -m benchmarks.run --quick --only gpu,transfer,controller --out benchmarks/results/gpu
 
 stress: install

@@ -7,8 +7,10 @@ For page sizes 1, 16 and 64 and host layouts ``layer_first`` and
 contiguous page runs (what a fresh allocator hands out) and for scattered pages
 (a random page order on both sides). Each is divided by a plain
 ``Tensor.copy_`` of the same number of bytes between two preallocated
-contiguous tensors, timed interleaved with it in the same run (best of the
-repeats for both). The end-to-end controller path (``await
+contiguous tensors, timed interleaved with it in the same run: the order of
+the two alternates every round (whatever runs second pays for what the first
+left behind: OpenMP workers still spinning, a cold cache), and each figure is
+the median of the rounds. The end-to-end controller path (``await
 controller.backup(...)``, ``await controller.load_back(...)``) is measured the
 same way at page size 64: that is what users get.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -31,7 +34,6 @@ import torch
 
 from benchmarks.common import (
     RESULTS_DIR,
-    best_of_interleaved,
     headline,
     linear_fit,
     machine_info,
@@ -99,6 +101,24 @@ def _warm(host: HostKVPool) -> HostKVPool:
     return host
 
 
+def _median_interleaved(fns: list[Callable[[], object]], repeat: int) -> list[float]:
+    """Median seconds of each of ``fns``, run in turn ``repeat`` times after one warm-up round.
+
+    The order alternates every round, so each function follows every other
+    one equally often.
+    """
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(repeat):
+        order = list(range(len(fns)))
+        for i in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else math.nan
 
@@ -134,8 +154,8 @@ def _engine_rows(
                         engine.load_layer(layer, plan)
 
                 base = memcpy.fn(nbytes)
-                t_base_b, t_backup = best_of_interleaved([base, backup], repeat)
-                t_base_l, t_load = best_of_interleaved([base, load], repeat)
+                t_base_b, t_backup = _median_interleaved([base, backup], repeat)
+                t_base_l, t_load = _median_interleaved([base, load], repeat)
                 rows.append(
                     {
                         "page_size": ps,
@@ -145,6 +165,8 @@ def _engine_rows(
                         "copy_path": (
                             "page gather (load)"
                             if plan.device_runs is not None
+                            else "runs, 128 KiB chunks"
+                            if plan.chunks is not None
                             else "runs"
                             if plan.runs is not None
                             else "index"
@@ -162,6 +184,7 @@ def _engine_rows(
                         "load_ratio": t_base_l / t_load,
                     }
                 )
+            engine.close()  # its helper thread, started by the copies above
             del host, engine
         del device
     return rows
@@ -170,14 +193,15 @@ def _engine_rows(
 async def _timed_async(
     fns: list[Callable[[], Coroutine[Any, Any, float]]], repeat: int
 ) -> list[float]:
-    """Like `best_of_interleaved`, for coroutine functions that return their own timing."""
+    """Like `_median_interleaved`, for coroutine functions that return their own timing."""
     for fn in fns:
         await fn()
-    best = [math.inf] * len(fns)
-    for _ in range(repeat):
-        for i, fn in enumerate(fns):
-            best[i] = min(best[i], await fn())
-    return best
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(repeat):
+        order = list(range(len(fns)))
+        for i in order if r % 2 == 0 else order[::-1]:
+            times[i].append(await fns[i]())
+    return [statistics.median(t) for t in times]
 
 
 def _sync_timer(fn: Callable[[], object]) -> Callable[[], Coroutine[Any, Any, float]]:
@@ -285,11 +309,12 @@ async def _scaling(spec: dict[str, int], memcpy: _Memcpy, repeat: int) -> dict[s
             dev = c.device_allocator.alloc(n)
             assert dev is not None
             c_backup, c_load = _controller_ops(c, dev)
-            t_mem, t_b, t_l = best_of_interleaved(
+            t_mem, t_b, t_l = _median_interleaved(
                 [memcpy.fn(n * layout.token_bytes), backup, load], repeat
             )
             t_cb, t_cl = await _timed_async([c_backup, c_load], repeat)
             await c.reset()
+            c.engine.close()  # the helper the direct engine copies above started
             points.append(
                 {
                     "pages": pages,
@@ -439,7 +464,7 @@ def main(
         "layout": _layout(spec, 64).describe().replace(":P64", ""),
         "bytes_per_measurement": num_tokens * layout64.token_bytes,
         "repeat": repeat,
-        "statistic": "best of `repeat` runs after one warm-up; memcpy baseline interleaved with each measurement",
+        "statistic": "median of `repeat` rounds after one warm-up; memcpy baseline interleaved with each measurement, the order alternating every round",
         "engine": engine_rows,
         "controller": controller_rows,
         "scaling": scaling,

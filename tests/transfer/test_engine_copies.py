@@ -1,20 +1,25 @@
 """CopyEngine copies: every path moves the right bytes, and no temporary outgrows the bound.
 
-The paths: contiguous runs, scattered pages on both sides (one integer-row
-copy per page and layer), a scattered host into a fresh
-device run (page gather), and many short runs (index gather/scatter); for
-backup and load, ``layer_first`` and ``page_first`` host pools, stacked and
-caller-owned device buffers.
+The paths: contiguous runs, scattered pages (a load copies them as serial
+integer-row chunks of at most 128 KiB, shared with a helper thread when
+large), scattered host pages into a fresh device run (page gather), many
+short runs (index gather/scatter, through the pinned staging buffers on
+CUDA); for backup and load, ``layer_first`` and ``page_first`` host pools,
+stacked and caller-owned device buffers.
 """
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
 
 from tiercache import DeviceKVPool, HostKVPool, KVLayout
 from tiercache.transfer import engine as engine_module
-from tiercache.transfer.engine import MAX_TEMP_BYTES, CopyEngine, _spans
+from tiercache.transfer.engine import MAX_TEMP_BYTES, CopyEngine, PinnedStaging, _spans
+from tiercache.transfer.streams import CopyStream, copy_helper
 
 PS = 4
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=PS)
@@ -66,10 +71,15 @@ def _expect(pool: DeviceKVPool, dev: torch.Tensor) -> list[list[torch.Tensor]]:
 
 @pytest.fixture(params=[False, True], ids=["unbounded", "tiny-temp-bound"])
 def bound(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
-    """Either the real bound, or one so small that every transfer is cut into pieces."""
+    """Either the real bounds, or ones so small that every transfer is cut into pieces.
+
+    The CPU copy chunk then holds 3 tokens: chunks end inside pages (page 4)
+    and, in a ``page_first`` backup, hold one token of every layer.
+    """
     if request.param:
         limit = LAYOUT.page_size * LAYOUT.token_layer_bytes  # one page of one layer
         monkeypatch.setattr(engine_module, "MAX_TEMP_BYTES", limit)
+        monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", 3 * LAYOUT.token_layer_bytes)
         return limit
     return MAX_TEMP_BYTES
 
@@ -206,3 +216,246 @@ def test_the_gpu_backup_branches_move_every_byte(
     for b in range(LAYOUT.num_buffers):
         for layer in range(LAYOUT.num_layers):
             assert torch.equal(host.layer(b, layer)[h], want[b][layer])
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "caller-buffers"])
+def test_a_scattered_cpu_load_copies_in_chunks_of_at_most_the_bound(
+    host_layout: str, stacked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each piece stays under torch's parallel grain: one thread, the GIL released briefly."""
+    chunk = 3 * LAYOUT.token_layer_bytes  # pages of 4 tokens: pieces of 3 and 1
+    monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
+    device = _device(stacked)
+    _fill_device(device)
+    host = HostKVPool(LAYOUT, SLOTS, host_layout=host_layout)
+    engine = CopyEngine(device, host)
+    host_pages, dev_pages = PATTERNS["both scattered"]
+    h, d = _slots(host_pages), _slots(dev_pages)
+    want = _expect(device, d)
+    plan = engine.plan(h, d)
+    assert plan.chunks is not None and plan.device_runs is None
+    engine.backup_all_layers(plan)
+    sizes: list[int] = []
+    real = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        sizes.append(self.nbytes)
+        return real(self, src, non_blocking)
+
+    for layer in range(LAYOUT.num_layers):
+        device.buffers[0][layer].zero_()
+        device.buffers[1][layer].zero_()
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    for layer in range(LAYOUT.num_layers):
+        engine.load_layer(layer, plan)
+    monkeypatch.setattr(torch.Tensor, "copy_", real)
+    got = _expect(device, d)
+    assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
+    assert max(sizes) <= chunk
+    pieces = 2 * len(host_pages)  # 3 + 1 tokens a page
+    assert len(sizes) == pieces * LAYOUT.num_buffers * LAYOUT.num_layers
+
+
+def test_pinned_staging_buffers_take_turns_and_grow_to_the_largest_span() -> None:
+    staging = PinnedStaging(pin=False, count=2)
+    like = torch.zeros(100, 2, 8, dtype=torch.float16)
+    i0, a = staging.take(like, 10)
+    i1, b = staging.take(like, 10)
+    assert (i0, i1) == (0, 1)
+    assert a.shape == (10, 2, 8) and a.dtype == torch.float16
+    assert a.data_ptr() != b.data_ptr()  # the next span never overwrites the one in flight
+    i2, c = staging.take(like, 4)
+    assert i2 == 0 and c.data_ptr() == a.data_ptr()  # reused, not reallocated
+    _, d = staging.take(like, 40)
+    assert d.shape == (40, 2, 8)
+    assert staging.nbytes == (10 + 40) * 2 * 8 * 2
+    staging.release(0)  # no CUDA: nothing to wait for later
+    _, e = staging.take(like, 3)
+    assert e.data_ptr() == a.data_ptr()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
+def test_staging_is_not_page_locked_without_cuda() -> None:
+    staging = PinnedStaging(pin=True)
+    assert not staging.pin
+    _, buf = staging.take(torch.zeros(4, 2), 4)
+    assert not buf.is_pinned()
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+def test_a_load_gathers_short_scattered_runs_through_the_staging_buffers(
+    host_layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA index path, run here on CPU tensors: gathered into staging, span by span."""
+    limit = 2 * LAYOUT.page_size * LAYOUT.token_layer_bytes  # two pages of one layer a span
+    monkeypatch.setattr(engine_module, "MAX_TEMP_BYTES", limit)
+    monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 1 << 30)  # force the index path
+    device = _device(True)
+    _fill_device(device)
+    host = HostKVPool(LAYOUT, SLOTS, host_layout=host_layout)
+    engine = CopyEngine(device, host)
+    host_pages, dev_pages = PATTERNS["both scattered"]
+    h, d = _slots(host_pages), _slots(dev_pages)
+    plan = engine.plan(h, d)
+    assert plan.runs is None and plan.device_runs is None
+    want = _expect(device, d)
+    engine.backup_all_layers(plan)
+    staging = PinnedStaging(pin=False)
+    takes: list[int] = []
+    real_take = staging.take
+
+    def take(like: torch.Tensor, rows: int) -> tuple[int, torch.Tensor]:
+        takes.append(rows)
+        return real_take(like, rows)
+
+    monkeypatch.setattr(staging, "take", take)
+    engine.staging = staging
+    for layer in range(LAYOUT.num_layers):
+        device.buffers[0][layer].zero_()
+        device.buffers[1][layer].zero_()
+        engine.load_layer(layer, plan)
+    got = _expect(device, d)
+    assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
+    spans = len(host_pages) // 2
+    assert takes == [2 * PS] * (spans * LAYOUT.num_buffers * LAYOUT.num_layers)
+    assert staging.nbytes == 2 * 2 * PS * LAYOUT.token_layer_bytes  # two buffers of one span
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+def test_a_large_cpu_copy_is_shared_with_the_helper_thread(
+    host_layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From `_PARALLEL_MIN_BYTES` on, the stream's helper takes chunks: every byte lands once."""
+    monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
+    monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", LAYOUT.token_layer_bytes)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    device = _device(True)
+    _fill_device(device)
+    host = HostKVPool(LAYOUT, SLOTS, host_layout=host_layout)
+    engine = CopyEngine(device, host)
+    host_pages, dev_pages = PATTERNS["both scattered"]
+    h, d = _slots(host_pages), _slots(dev_pages)
+    want = _expect(device, d)
+    plan = engine.plan(h, d)
+    assert plan.chunks is not None
+    threads: set[str] = set()
+    real = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.0005)  # long enough for the helper to start before the caller is done
+        return real(self, src, non_blocking)
+
+    def job() -> None:
+        threads.add(threading.current_thread().name)
+        engine.backup_all_layers(plan)
+        for layer in range(LAYOUT.num_layers):
+            device.buffers[0][layer].zero_()
+            device.buffers[1][layer].zero_()
+            engine.load_layer(layer, plan)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    stream = CopyStream("chunks", torch.device("cpu"))
+    try:
+        stream.submit(job).result(timeout=30)
+    finally:
+        stream.close()
+    monkeypatch.setattr(torch.Tensor, "copy_", real)
+    got = _expect(device, d)
+    assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
+    assert threads == {"tiercache-chunks_0", "tiercache-chunks-helper_0"}
+
+
+def test_a_failing_chunk_is_raised_after_the_helper_has_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    dst, src = torch.zeros(64, 4), torch.ones(64, 4)
+    chunks = tuple((i, i, 1) for i in range(64))
+    running = [0]
+    real = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        running[0] += 1
+        try:
+            time.sleep(0.001)
+            if threading.current_thread().name.startswith("tiercache-fault-helper"):
+                raise RuntimeError("copy fault")
+            return real(self, other, non_blocking)
+        finally:
+            running[0] -= 1
+
+    def job() -> None:
+        try:
+            engine_module._copy_chunks([(dst, src)], chunks, False, 1 << 30, copy_helper())
+        finally:
+            left.append(running[0])
+
+    left: list[int] = []
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    stream = CopyStream("fault", torch.device("cpu"))
+    try:
+        with pytest.raises(RuntimeError, match="copy fault"):
+            stream.submit(job).result(timeout=30)
+    finally:
+        stream.close()
+    monkeypatch.setattr(torch.Tensor, "copy_", real)
+    assert left == [0]  # nothing still copying when the error reached the job
+
+
+def test_outside_a_copy_stream_the_engine_shares_with_its_own_helper_until_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", LAYOUT.token_layer_bytes)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
+    device = _device(True)
+    _fill_device(device)
+    engine = CopyEngine(device, HostKVPool(LAYOUT, SLOTS))
+    host_pages, dev_pages = PATTERNS["both scattered"]
+    h, d = _slots(host_pages), _slots(dev_pages)
+    want = _expect(device, d)
+    plan = engine.plan(h, d)
+    assert plan.chunks is not None
+    engine.backup_all_layers(plan)
+    for layer in range(LAYOUT.num_layers):
+        device.buffers[0][layer].zero_()
+        device.buffers[1][layer].zero_()
+    threads: set[str] = set()
+    real = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.0005)
+        return real(self, other, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    try:
+        for layer in range(LAYOUT.num_layers):
+            engine.load_layer(layer, plan)
+    finally:
+        monkeypatch.setattr(torch.Tensor, "copy_", real)
+        engine.close()
+    assert threads == {threading.current_thread().name, "tiercache-engine-helper_0"}
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("tiercache-engine")]
+    assert not alive  # close stopped it
+    got = _expect(device, d)
+    assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
+
+
+def test_a_small_cpu_copy_never_leaves_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below `_PARALLEL_MIN_BYTES` (every copy a controller runs inline) no helper is involved."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    device = _device(True)
+    engine = CopyEngine(device, HostKVPool(LAYOUT, SLOTS))
+    plan = engine.plan(_slots(list(range(16))), _slots(list(range(16))))
+    assert engine.plan_bytes(plan) < engine_module._PARALLEL_MIN_BYTES
+    engine.backup_all_layers(plan)
+    for layer in range(LAYOUT.num_layers):
+        engine.load_layer(layer, plan)
+    assert not [t for t in threading.enumerate() if t.name.startswith("tiercache-engine")]

@@ -9,12 +9,28 @@ pool a backup to the host goes layer by layer, where both sides are
 contiguous and no temporary is needed at all.
 
 **Runs on a CPU device pool** are copied as the widest integer rows they
-allow: a one-page run of 128 KiB stays under torch's parallel grain, so pages
-scattered on both sides no longer pay an OpenMP fork and join per page.
+allow. A few runs (a fresh allocation, a contiguous backup) take one
+``copy_`` each, which torch spreads over its threads as it does a memcpy.
+The many one-page runs of a load scattered on both sides are cut into chunks
+of at most `_CPU_CHUNK_BYTES` (128 KiB) per layer and buffer, each one
+``copy_`` under torch's parallel grain (no OpenMP fork and join per page),
+handed out one at a time to the copying thread and one helper thread when
+the layer holds 4 MiB or more (`_PARALLEL_MIN_BYTES`) and torch may use two
+threads: the copy stream's helper inside a stream's job, else the engine's
+own, until `CopyEngine.close`. A load of scattered host pages into a few
+device runs (what a fresh allocation gives) gathers whole pages into each
+run with one ``index_select`` instead.
+
+**Scattered rows on CUDA** (runs too short to copy one by one) are gathered
+on the host into a reused page-locked `PinnedStaging` buffer, so the upload
+that follows is queued asynchronously instead of blocking the copy worker.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import itertools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +38,9 @@ import torch
 from tiercache.errors import InvalidInputError
 from tiercache.memory.allocator import check_slot_indices
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
+from tiercache.transfer.streams import copy_helper, new_event
 
-__all__ = ["MAX_TEMP_BYTES", "CopyEngine", "TransferPlan"]
+__all__ = ["MAX_TEMP_BYTES", "CopyEngine", "PinnedStaging", "TransferPlan"]
 
 #: The most bytes one temporary of a copy holds (see the module docstring).
 MAX_TEMP_BYTES = 64 << 20
@@ -33,6 +50,64 @@ MAX_TEMP_BYTES = 64 << 20
 #: take one ``index_select`` + ``index_copy_`` pair (two passes over the bytes).
 #: Runs win while each run's copy is long compared with a call's overhead.
 _RUN_BREAK_EVEN_BYTES = 32 * 1024
+
+#: On a CPU device pool, the most bytes one ``copy_`` of a scattered load
+#: moves. As int64 rows that is 16,384 elements, under torch's parallel grain
+#: (32,768): every call runs serially on its thread, with no OpenMP fork and
+#: join, and releases the GIL for tens of microseconds at a time.
+_CPU_CHUNK_BYTES = 128 * 1024
+
+#: A CPU copy of at least this many bytes is shared with a helper thread (when
+#: torch may use two threads or more): the chunks are handed out one at a
+#: time to whichever thread is free, as OpenMP would split one large copy.
+#: Below it, the copy stays on the calling thread: no handoff, and nothing to
+#: wait for on an event loop that runs a small copy inline.
+_PARALLEL_MIN_BYTES = 4 << 20
+
+
+Chunk = tuple[int, int, int]
+
+
+def _copy_chunks(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    chunks: tuple[Chunk, ...],
+    to_host: bool,
+    nbytes: int,
+    pool: concurrent.futures.ThreadPoolExecutor | None = None,
+) -> None:
+    """For every ``(dst, src)`` of ``pairs`` and ``(h0, d0, n)`` of ``chunks``, one ``copy_``.
+
+    ``to_host``: ``dst[h0:h0+n] <- src[d0:d0+n]``; else ``dst[d0:d0+n] <-
+    src[h0:h0+n]``. From `_PARALLEL_MIN_BYTES` on (``nbytes``), the helper
+    thread of ``pool`` takes chunks too. Returns once every chunk is copied,
+    the helper's included; if a copy fails, raises its error once the helper
+    has let go of the copy.
+    """
+    work = itertools.product(pairs, chunks)  # next() is atomic: both threads share it
+
+    def run() -> None:
+        for (dst, src), (h0, d0, n) in work:
+            if to_host:
+                dst[h0 : h0 + n].copy_(src[d0 : d0 + n])
+            else:
+                dst[d0 : d0 + n].copy_(src[h0 : h0 + n])
+
+    if pool is None or nbytes < _PARALLEL_MIN_BYTES or torch.get_num_threads() < 2:
+        run()
+        return
+    inference = torch.is_inference_mode_enabled()
+
+    def helper() -> None:
+        with torch.inference_mode(inference):  # the views were made in the caller's mode
+            run()
+
+    job = pool.submit(helper)
+    try:
+        run()
+    finally:
+        if not job.cancel():  # it started: the chunk it holds lands first
+            job.result()
+
 
 #: A load whose device side is at most this many contiguous runs gathers whole
 #: host pages into them with one ``index_select(..., out=run)`` per run: one
@@ -58,9 +133,84 @@ def _spans(n: int, unit: int, unit_bytes: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
 
+def _chunk_runs(
+    runs: tuple[tuple[int, int, int], ...], tokens: int
+) -> tuple[tuple[int, int, int], ...]:
+    """``runs`` (``(a, b, n)`` triples) cut into pieces of at most ``tokens`` tokens."""
+    return tuple(
+        (a + lo, b + lo, min(tokens, n - lo)) for a, b, n in runs for lo in range(0, n, tokens)
+    )
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``(n, H, D)`` -> ``(n, H*D)`` widest-int rows (a view; the token dim may be strided)."""
     return _int_view(t.view(t.shape[0], -1))
+
+
+class PinnedStaging:
+    """Reused host buffers that scattered host rows are gathered into before an upload.
+
+    A gather into pageable memory would make the host->device copy that
+    follows synchronous: the copy worker would wait for the DMA before it
+    could queue the next layer. Gathered into page-locked memory, the upload
+    is queued asynchronously on the current (copy) stream.
+
+    The buffers are used in turn (two by default), so the gather of one span
+    overlaps the upload of the previous one. Before a buffer is refilled, the
+    host waits (a blocking, non-spinning event) for the upload that last read
+    it. A buffer grows to the largest span a job asks for, never beyond
+    `MAX_TEMP_BYTES`, and is kept for the next job.
+
+    Used from one thread at a time (the load stream's worker).
+
+    Args:
+        pin: page-lock the buffers; only where CUDA is available. Without it
+            (a CPU-only machine) the buffers are ordinary memory and no event
+            is recorded: there is no asynchronous copy to wait for.
+        count: how many buffers to use in turn.
+    """
+
+    def __init__(self, pin: bool, count: int = 2) -> None:
+        self.pin = pin and torch.cuda.is_available()
+        self._buffers: list[torch.Tensor | None] = [None] * count
+        self._events: list[torch.cuda.Event | None] = [None] * count
+        self._next = 0
+
+    def take(self, like: torch.Tensor, rows: int) -> tuple[int, torch.Tensor]:
+        """A free ``(rows, *like.shape[1:])`` buffer of ``like``'s dtype, and its number.
+
+        Waits for the upload that last read it (if it has not finished).
+        """
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        ev = self._events[i]
+        if ev is not None:
+            ev.synchronize()
+            self._events[i] = None
+        shape = (rows, *like.shape[1:])
+        nbytes = rows * like[0].numel() * like.element_size()
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self._buffers[i] = buf
+        return i, buf[:nbytes].view(like.dtype).view(shape)
+
+    def release(self, i: int) -> None:
+        """Buffer ``i`` has been handed to an upload on the current stream: mark when it ends."""
+        if self.pin:
+            ev = new_event()
+            ev.record()
+            self._events[i] = ev
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers allocated so far (flat ``uint8``)."""
+        return tuple(b for b in self._buffers if b is not None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold now."""
+        return sum(b.numel() for b in self.buffers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +219,9 @@ class TransferPlan:
 
     ``runs`` is set when the pages form few enough contiguous
     ``(host_start, device_start, length)`` runs that plain slice copies beat
-    gather/scatter; otherwise the index tensors are used.
+    gather/scatter (a CPU load of many of them copies ``chunks``);
+    otherwise the index tensors are used. A CPU load into a device side of a
+    few contiguous runs uses ``device_runs`` before either.
     """
 
     host_indices: torch.Tensor  # CPU int64
@@ -78,10 +230,17 @@ class TransferPlan:
     num_tokens: int
     #: Contiguous runs on the device side alone, as ``(first page of the plan,
     #: device start slot, pages)``, and the host page ids in plan order; set
-    #: when the device side is a few runs (what a fresh allocation gives): a
-    #: load then gathers whole host pages straight into those runs.
+    #: on a CPU device pool when the host side is scattered (``runs`` is
+    #: ``None`` or many) and the device side is a few runs (what a fresh
+    #: allocation gives): a load then gathers whole host pages straight into
+    #: those runs, one ``index_select`` a run.
     device_runs: tuple[tuple[int, int, int], ...] | None = None
     host_pages: torch.Tensor | None = None
+    #: On a CPU device pool, when there are more than `_MAX_GATHER_RUNS`
+    #: runs: ``runs`` cut into ``(host_start, device_start, length)`` pieces
+    #: of at most `_CPU_CHUNK_BYTES` per layer and buffer, each copied by a
+    #: load with one serial ``copy_``.
+    chunks: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def empty(self) -> bool:
@@ -94,7 +253,10 @@ class CopyEngine:
     `backup_all_layers` copies every layer of the given device slots into host
     slots; `load_layer` copies one layer of host slots into device slots. Both
     are synchronous and run on a copy stream's worker thread; on CUDA they only
-    enqueue work on the current (copy) stream. Pages are moved as contiguous
+    enqueue work on the current (copy) stream. On a CPU device pool a
+    scattered load of 4 MiB or more a layer is shared with a helper thread
+    (the copy stream's inside a stream's job, else the engine's own: see
+    `close`); the call returns once both are done. Pages are moved as contiguous
     runs with ``copy_`` where both sides are contiguous for long enough, else
     with one vectorised ``index_select``/``index_copy_`` per layer and buffer,
     never a Python loop per token.
@@ -113,6 +275,43 @@ class CopyEngine:
         self.layout = device_pool.layout
         self.device = device_pool.device
         self.non_blocking = self.device.type == "cuda" and host_pool.pinned
+        #: Where a CUDA load gathers scattered host rows (`load_layer`'s index
+        #: path); ``None`` on a CPU device pool, which gathers straight into a
+        #: temporary it scatters from at once.
+        self.staging: PinnedStaging | None = (
+            PinnedStaging(pin=True) if self.device.type == "cuda" else None
+        )
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
+        self._helper_lock = threading.Lock()
+
+    def _helper_pool(self, nbytes: int) -> concurrent.futures.ThreadPoolExecutor | None:
+        """The thread that shares a CPU copy of ``nbytes``, or ``None`` to copy alone.
+
+        Inside a copy stream's job, the stream's helper (`copy_helper`);
+        otherwise the engine's own, started on first use and stopped by `close`.
+        """
+        if nbytes < _PARALLEL_MIN_BYTES or torch.get_num_threads() < 2:
+            return None
+        pool = copy_helper()
+        if pool is not None:
+            return pool
+        with self._helper_lock:
+            if self._helper is None:
+                self._helper = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="tiercache-engine-helper"
+                )
+            return self._helper
+
+    def close(self) -> None:
+        """Stop the engine's own helper thread, if it started one. Idempotent.
+
+        Only copies made outside a copy stream start it; the engine stays
+        usable (a later large copy starts a new one).
+        """
+        with self._helper_lock:
+            helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.shutdown(wait=True)
 
     def plan(
         self, host_indices: torch.Tensor, device_indices: torch.Tensor, *, checked: bool = False
@@ -141,12 +340,17 @@ class CopyEngine:
         n = host.numel()
         runs = self._runs(host, dev) if n else ()
         dev_on_device = dev.to(self.device, non_blocking=True) if self.device.type != "cpu" else dev
-        device_runs, host_pages = None, None
-        if (runs is None or len(runs) > 4) and self.device.type == "cpu":
+        device_runs, host_pages, chunks = None, None, None
+        if self.device.type == "cpu" and (runs is None or len(runs) > 4):
+            # Scattered host pages: gathered whole into the device side's runs
+            # when it has few (a fresh allocation), one index_select a run.
             device_runs = self._device_runs(dev)
             if device_runs is not None:
                 host_pages = host[::ps] // ps
-        return TransferPlan(host, dev_on_device, runs, n, device_runs, host_pages)
+        if self.device.type == "cpu" and runs is not None and len(runs) > _MAX_GATHER_RUNS:
+            per_chunk = max(1, _CPU_CHUNK_BYTES // self.layout.token_layer_bytes)
+            chunks = _chunk_runs(runs, per_chunk)
+        return TransferPlan(host, dev_on_device, runs, n, device_runs, host_pages, chunks)
 
     def _device_runs(self, dev: torch.Tensor) -> tuple[tuple[int, int, int], ...] | None:
         """Contiguous runs of the device side alone, or ``None`` when there are many."""
@@ -254,7 +458,14 @@ class CopyEngine:
         """Copy layer ``layer`` of ``plan``'s host slots into its device slots."""
         if plan.empty:
             return
-        nb = self.non_blocking
+        if plan.chunks is not None and plan.device_runs is None and self.device.type == "cpu":
+            pairs = [
+                (_rows(self.device_pool.buffers[b][layer]), _rows(self.host_pool.layer(b, layer)))
+                for b in range(self.layout.num_buffers)
+            ]
+            nbytes = plan.num_tokens * self.layout.num_buffers * self.layout.token_layer_bytes
+            _copy_chunks(pairs, plan.chunks, False, nbytes, self._helper_pool(nbytes))
+            return
         for b in range(self.layout.num_buffers):
             src = self.host_pool.layer(b, layer)
             dst = self.device_pool.buffers[b][layer]
@@ -263,12 +474,28 @@ class CopyEngine:
             elif plan.runs is not None:
                 self._copy_runs(dst, src, plan.runs)
             else:
-                per_token = self.layout.token_layer_bytes
-                for lo, hi in _spans(plan.num_tokens, self.layout.page_size, per_token):
-                    gathered = src.index_select(0, plan.host_indices[lo:hi])
-                    dst.index_copy_(
-                        0, plan.device_indices[lo:hi], gathered.to(self.device, non_blocking=nb)
-                    )
+                self._load_gathered(src, dst, plan)
+
+    def _load_gathered(self, src: torch.Tensor, dst: torch.Tensor, plan: TransferPlan) -> None:
+        """Scattered host rows into scattered device rows of one layer, span by span.
+
+        Without `staging` (a CPU device pool) the gather is a temporary of at
+        most `MAX_TEMP_BYTES`; with it (CUDA) the rows are gathered into a
+        page-locked staging buffer, uploaded asynchronously on the current
+        (copy) stream, then scattered on the device.
+        """
+        staging = self.staging
+        per_token = self.layout.token_layer_bytes
+        for lo, hi in _spans(plan.num_tokens, self.layout.page_size, per_token):
+            host_idx, dev_idx = plan.host_indices[lo:hi], plan.device_indices[lo:hi]
+            if staging is None:
+                dst.index_copy_(0, dev_idx, src.index_select(0, host_idx))
+                continue
+            i, buf = staging.take(src, hi - lo)
+            torch.index_select(src, 0, host_idx, out=buf)
+            gathered = buf.to(self.device, non_blocking=staging.pin)
+            staging.release(i)
+            dst.index_copy_(0, dev_idx, gathered)
 
     def _copy_runs(
         self,

@@ -29,9 +29,21 @@ import torch
 
 from tiercache.observe import observe
 
-__all__ = ["Completion", "CopyStream", "new_event"]
+__all__ = ["Completion", "CopyStream", "copy_helper", "new_event"]
 
 logger = logging.getLogger(__name__)
+
+_running = threading.local()
+
+
+def copy_helper() -> concurrent.futures.ThreadPoolExecutor | None:
+    """The helper thread of the CPU copy stream whose job runs on the calling thread.
+
+    ``None`` outside a job (and on CUDA streams, whose jobs only queue work).
+    A job may hand part of a large copy to it; the stream stops it on `close`.
+    """
+    helper: concurrent.futures.ThreadPoolExecutor | None = getattr(_running, "helper", None)
+    return helper
 
 
 def new_event() -> torch.cuda.Event:
@@ -106,6 +118,14 @@ class CopyStream:
             if self.is_cuda
             else None
         )
+        #: A CPU stream's second thread for large copies (see `copy_helper`).
+        self._helper = (
+            None
+            if self.is_cuda
+            else concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"tiercache-{name}-helper"
+            )
+        )
         self._closed = False
         self._pending = 0  # jobs submitted and not settled
         self._lock = threading.Lock()
@@ -153,55 +173,39 @@ class CopyStream:
         """
         if self._closed:
             raise RuntimeError(f"copy stream {self.name} is closed")
-        result: concurrent.futures.Future[None] = concurrent.futures.Future()
-        result.set_running_or_notify_cancel()
-
-        started = [time.perf_counter()]
-
-        def finished() -> None:
-            observe("copy", self.name, time.perf_counter() - started[0])
-            with self._lock:
-                self._pending -= 1
-
-        def settle(done: Completion) -> None:
-            try:
-                self._settle_steps(done)
-            except BaseException as e:
-                finished()
-                result.set_exception(e)
-            else:
-                finished()
-                result.set_result(None)
-
-        def run() -> None:
-            started[0] = time.perf_counter()
-            try:
-                with self._context(), torch.inference_mode():
-                    try:
-                        done = job()
-                    except BaseException:
-                        self.settle()  # nothing the job queued is still running
-                        raise
-            except BaseException as e:
-                finished()
-                result.set_exception(e)
-                return
-            if done is None:
-                done = Completion()
-            if self._completer is None or not any(ev is not None for ev, _ in done.steps):
-                settle(done)
-            else:
-                self._completer.submit(settle, done)
-
+        queued = _QueuedJob(self, job)
         with self._lock:
             self._pending += 1
         try:
-            self._executor.submit(run)
+            self._executor.submit(queued.run)
         except BaseException:
             with self._lock:
                 self._pending -= 1
             raise
-        return result
+        return queued.result
+
+    def _enqueue(self, job: Callable[[], Completion | None]) -> Completion:
+        """Run ``job``'s enqueue half in the stream context (worker thread).
+
+        If it raises, the stream is settled first: nothing the job queued is
+        still running when the failure is reported.
+        """
+        _running.helper = self._helper
+        try:
+            with self._context(), torch.inference_mode():
+                try:
+                    done = job()
+                except BaseException:
+                    self.settle()
+                    raise
+        finally:
+            _running.helper = None
+        return Completion() if done is None else done
+
+    def _job_finished(self, started: float) -> None:
+        observe("copy", self.name, time.perf_counter() - started)
+        with self._lock:
+            self._pending -= 1
 
     def _settle_steps(self, done: Completion) -> None:
         try:
@@ -248,6 +252,48 @@ class CopyStream:
         self._executor.shutdown(wait=True)
         if self._completer is not None:
             self._completer.shutdown(wait=True)
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
 
     def __repr__(self) -> str:
         return f"CopyStream({self.name!r}, device={self.device})"
+
+
+class _QueuedJob:
+    """One job submitted to a `CopyStream`: its two halves and the future they resolve."""
+
+    __slots__ = ("job", "result", "started", "stream")
+
+    def __init__(self, stream: CopyStream, job: Callable[[], Completion | None]) -> None:
+        self.stream = stream
+        self.job = job
+        self.started = time.perf_counter()
+        self.result: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.result.set_running_or_notify_cancel()
+
+    def run(self) -> None:
+        """The enqueue half (worker thread); hands the settle half on, or settles here."""
+        stream = self.stream
+        self.started = time.perf_counter()
+        try:
+            done = stream._enqueue(self.job)
+        except BaseException as e:
+            stream._job_finished(self.started)
+            self.result.set_exception(e)
+            return
+        completer = stream._completer
+        if completer is None or not any(ev is not None for ev, _ in done.steps):
+            self.settle(done)
+        else:
+            completer.submit(self.settle, done)
+
+    def settle(self, done: Completion) -> None:
+        """The settle half: wait for the events, run the callbacks, resolve the future."""
+        try:
+            self.stream._settle_steps(done)
+        except BaseException as e:
+            self.stream._job_finished(self.started)
+            self.result.set_exception(e)
+        else:
+            self.stream._job_finished(self.started)
+            self.result.set_result(None)
