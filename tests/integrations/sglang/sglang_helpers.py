@@ -28,6 +28,9 @@ from typing import Any
 import torch
 
 STUBS = Path(__file__).resolve().parent / "stubs"
+#: The module name the stand-ins' shared placeholders (``stubs/_tiercache_standin.py``; a
+#: process with ``stubs`` on its path imports it by that name too) load under.
+STANDIN = "_tiercache_standin"
 #: Set by `make test-sglang` and CI: a missing SGLang fails the run instead of skipping it.
 REQUIRE_ENV = "TIERCACHE_REQUIRE_ENGINES"
 #: How long a test waits for one of SGLang's threads to answer.
@@ -56,10 +59,15 @@ def _use_standin(name: str) -> None:
         pass
     for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
         del sys.modules[mod]
+    if STANDIN not in sys.modules:  # the placeholders every stand-in imports
+        _load(STANDIN, STUBS / f"{STANDIN}.py")
     path = STUBS / name
-    spec = importlib.util.spec_from_file_location(
-        name, path / "__init__.py", submodule_search_locations=[str(path)]
-    )
+    _load(name, path / "__init__.py", [str(path)])
+
+
+def _load(name: str, file: Path, search: list[str] | None = None) -> None:
+    """Import ``file`` as the module ``name`` (a package when ``search`` is given)."""
+    spec = importlib.util.spec_from_file_location(name, file, submodule_search_locations=search)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -1,5 +1,5 @@
 """Stand-in for `torchvision.transforms` (see tests/integrations/sglang/stubs/README.md)."""
 
-from .._placeholder import module_getattr
+from _tiercache_standin import module_getattr
 
 __getattr__ = module_getattr("torchvision.transforms")

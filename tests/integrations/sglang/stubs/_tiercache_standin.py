@@ -1,4 +1,8 @@
-"""Placeholder attributes for the stand-ins (see ../README.md)."""
+"""Placeholder attributes shared by every stand-in (see README.md).
+
+Loaded once as the module ``_tiercache_standin`` by `sglang_helpers._use_standin`
+before any stand-in package, which imports `module_getattr` from it.
+"""
 
 from __future__ import annotations
 
