@@ -11,29 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from tests.cache.gated_backend import GatedBackend
 
 from tiercache import TierCache, TierCacheConfig
 from tiercache.errors import StateError
-from tiercache.storage.base import PageBuffer, PageKey
-from tiercache.storage.memory import MemoryBackend
 
 PS = 16
-
-
-class GatedBackend(MemoryBackend):
-    """A memory backend whose writes wait until the test opens the gate."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = asyncio.Event()
-
-    async def batch_set(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
-        await self.gate.wait()
-        return await super().batch_set(keys, pages)
 
 
 def config() -> TierCacheConfig:

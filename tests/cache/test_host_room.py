@@ -11,29 +11,14 @@ the request it serves); when nothing in flight holds host room nothing waits.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tests.cache.gated_backend import GatedBackend
 
 from tiercache import TierCache, TierCacheConfig
-from tiercache.storage.base import PageBuffer, PageKey
-from tiercache.storage.memory import MemoryBackend
 
 PS = 16
-
-
-class GatedBackend(MemoryBackend):
-    """A memory backend whose writes wait until the test opens the gate."""
-
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.gate = asyncio.Event()
-        self.gate.set()
-
-    async def batch_set(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
-        await self.gate.wait()
-        return await super().batch_set(keys, pages)
 
 
 def config(**kw: Any) -> TierCacheConfig:
@@ -91,7 +76,7 @@ async def pinned_host(cache: TierCache, backend: GatedBackend) -> list[int]:
 
 
 async def test_write_through_waits_for_host_room_a_backup_holds() -> None:
-    backend = GatedBackend()
+    backend = GatedBackend(open_gate=True)
     async with TierCache(config()) as cache:
         await cache.attach_storage(backend)
         a = await pinned_host(cache, backend)
@@ -119,7 +104,7 @@ async def test_write_through_without_anything_in_flight_does_not_wait() -> None:
 
 
 async def test_host_waiters_are_served_first_come_first_served() -> None:
-    backend = GatedBackend()
+    backend = GatedBackend(open_gate=True)
     async with TierCache(config(host_tokens=64)) as cache:
         await cache.attach_storage(backend)
         await pinned_host(cache, backend)
@@ -142,7 +127,7 @@ async def test_host_waiters_are_served_first_come_first_served() -> None:
 
 
 async def test_a_write_waiting_for_host_room_gives_up_at_the_timeout() -> None:
-    backend = GatedBackend()
+    backend = GatedBackend(open_gate=True)
     async with TierCache(config(alloc_timeout_s=0.2)) as cache:
         await cache.attach_storage(backend)
         await pinned_host(cache, backend)
@@ -163,7 +148,7 @@ async def test_a_write_waiting_for_host_room_gives_up_at_the_timeout() -> None:
 
 
 async def test_wait_complete_prefetch_waits_for_host_room_best_effort_does_not() -> None:
-    backend = GatedBackend()
+    backend = GatedBackend(open_gate=True)
     async with TierCache(config(write_policy="write_through", prefetch_threshold=PS)) as cache:
         await cache.attach_storage(backend)
         p = list(range(5000, 5064))
@@ -181,7 +166,7 @@ async def test_wait_complete_prefetch_waits_for_host_room_best_effort_does_not()
 
 
 async def test_a_cancelled_host_waiter_takes_nothing() -> None:
-    backend = GatedBackend()
+    backend = GatedBackend(open_gate=True)
     async with TierCache(config(prefetch_threshold=PS)) as cache:
         await cache.attach_storage(backend)
         p = list(range(5000, 5064))
@@ -210,7 +195,7 @@ async def test_evicting_a_node_whose_write_through_waits_for_host_room_leaks_not
     flight or landed (its host slots would be lost), and the accounting must
     come back exact.
     """
-    backend = GatedBackend()
+    backend = GatedBackend(open_gate=True)
     async with TierCache(config()) as cache:
         await cache.attach_storage(backend)
         await pinned_host(cache, backend)

@@ -15,15 +15,14 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import torch
+from tests.cache.gated_backend import GatedBackend
 
 from tiercache import TierCache, TierCacheConfig
-from tiercache.storage.base import PageBuffer, PageKey
-from tiercache.storage.memory import MemoryBackend
 from tiercache.transfer.engine import CopyEngine
 
 PS = 16
@@ -175,18 +174,6 @@ async def test_a_settled_load_wakes_the_device_waiter(
         assert (await settle(waiter)).numel() == 64
         assert turns[0] == 2
     assert no_timers == []
-
-
-class GatedBackend(MemoryBackend):
-    """A memory backend whose writes wait until the test opens the gate."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = asyncio.Event()
-
-    async def batch_set(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
-        await self.gate.wait()
-        return await super().batch_set(keys, pages)
 
 
 async def test_an_ended_backup_wakes_the_host_waiter(
