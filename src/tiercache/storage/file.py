@@ -119,8 +119,7 @@ from tiercache.storage.format import (
     pack_page,
     verify_in_place,
 )
-from tiercache.storage.keys import validate_key
-from tiercache.storage.memory import check_batch
+from tiercache.storage.keys import check_batch, validate_key
 from tiercache.storage.registry import option_bool, option_int, reject_unknown, url_options
 
 __all__ = ["FileBackend", "default_concurrency"]

@@ -16,7 +16,7 @@ from tiercache.storage.base import BackendState, BackendStats, PageBuffer, PageK
 from tiercache.storage.keys import check_batch
 from tiercache.storage.registry import option_int, reject_unknown, url_options
 
-__all__ = ["MemoryBackend", "check_batch"]
+__all__ = ["MemoryBackend"]
 
 logger = logging.getLogger(__name__)
 
