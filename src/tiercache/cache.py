@@ -931,6 +931,8 @@ class TierCache(AsyncResource):
         waiting. When
         the cached part is still being loaded back, waits for that load
         first (nothing may be inserted on top of KV that has not landed).
+        If that load fails and ``device_indices`` hold the caller's own copy
+        of the prefix, the index takes the caller's copy instead.
 
         Every argument is checked before anything changes: a refused call
         leaves the index and the allocators as they were, and can be retried.
@@ -943,8 +945,9 @@ class TierCache(AsyncResource):
                 tensor with one slot per token, slots that are not
                 page-aligned, not allocated, listed twice, or (for the new
                 pages) already held by the index or by an open request.
-            StateError: the load back of the cached part failed (the prefix
-                is not on the device; request it again).
+            StateError: the load back of the cached part failed and
+                ``device_indices`` named the slots it was loading into (the
+                prefix is not on the device; request it again).
         """
         return await self._insert(tokens, device_indices, extra_key, owner=None, ready=ready)
 
@@ -965,9 +968,8 @@ class TierCache(AsyncResource):
         n = int(dev.numel())
         # The cached part may still be landing: wait, then decide on the
         # index as it is after the wait (no await from here on).
-        await self._wait_loads_under(dev)
+        cached = await self._wait_loads_under(toks[:n], extra_key, dev)
         ctl = self._check()
-        cached = self.index.match_prefix(toks[:n], extra_key, touch=False).device_indices
         same = self._check_new_slots(ctl, dev, cached, owner)
         result = self.index.insert(toks[:n], dev, extra_key)
         self._free_duplicates(ctl, dev[: result.prefix_len], same, ready_ev)
@@ -1058,27 +1060,45 @@ class TierCache(AsyncResource):
             ctl.device_allocator.free(dup.view(-1, ps)[differ].reshape(-1), checked=True)
             self._notify_room()
 
-    async def _wait_loads_under(self, dev: torch.Tensor) -> None:
-        """Wait for the loads in flight into any of ``dev``; raise if one failed.
+    async def _wait_loads_under(
+        self, toks: list[int], extra_key: str | None, dev: torch.Tensor
+    ) -> torch.Tensor:
+        """Wait until no load in flight fills the cached prefix of ``toks`` or any of ``dev``.
+
+        New pages may only hang under a prefix whose bytes have landed: were
+        a load under them to fail, its rollback would leave them on the
+        device under a host-only parent. A load into slots of ``dev`` is one
+        the caller's KV was computed on, so its failure is the caller's; a
+        load of a prefix the caller holds in slots of its own is not (once
+        it failed, the index takes the caller's copy instead).
+
+        Returns:
+            The device slots of the cached prefix, with no load in flight
+            into them (read after the last wait: no await may follow).
 
         Raises:
-            StateError: such a load failed.
+            StateError: a load into slots of ``dev`` failed.
         """
         while True:
+            cached = self.index.match_prefix(toks, extra_key, touch=False).device_indices
             pending = [
-                p.handle
+                p
                 for p in self._pending_loads.values()
-                if dev.numel() and bool(torch.isin(p.device_indices, dev).any())
+                if bool(torch.isin(p.device_indices, cached).any())
+                or bool(torch.isin(p.device_indices, dev).any())
             ]
             if not pending:
-                return
-            for h in pending:
+                return cached
+            for p in pending:
+                mine = bool(torch.isin(p.device_indices, dev).any())
                 try:
-                    await h
+                    await p.handle
                 except Exception as e:
-                    raise StateError(
-                        f"the load back of this prefix failed ({e!r}): request it again"
-                    ) from e
+                    if mine:
+                        raise StateError(
+                            f"the load back of this prefix failed ({e!r}): request it again"
+                        ) from e
+            self._check()
 
     def _write_node(
         self, ctl: TierController, node: Node, *, ready: Ready = None, defer: bool = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -172,5 +173,100 @@ async def test_insert_over_a_failed_load_is_refused() -> None:
                 await c.insert(P + [5] * 16, torch.cat([prefix, more]))
         assert c.match_prefix(P + [5] * 16).device_tokens == 0
         c.free_device(more)
+        await c.wait_idle()
+        check_clean(c)
+
+
+@contextlib.contextmanager
+def gated_load(cache: TierCache, *, fail: bool) -> Iterator[threading.Event]:
+    """Hold every load in the copy worker until the yielded event is set; then fail it or not."""
+    engine = cache.controller.engine
+    gate = threading.Event()
+
+    def load_layer(i: int, plan: Any) -> None:
+        gate.wait(10)
+        if fail:
+            raise RuntimeError(f"injected copy failure at layer {i}")
+        CopyEngine.load_layer(engine, i, plan)
+
+    cache.controller.inline_copy_bytes = 0  # the load runs in the worker, held at the gate
+    engine.load_layer = load_layer  # type: ignore[method-assign]
+    try:
+        yield gate
+    finally:
+        gate.set()
+        del engine.load_layer
+
+
+async def write_own(cache: TierCache, tokens: list[int]) -> torch.Tensor:
+    """Slots of the caller's own holding ``tokens``' KV, computed without the cache."""
+    slots = await cache.alloc_device(len(tokens))
+    for b, bufs in enumerate(cache.device_pool.buffers):
+        for layer, buf in enumerate(bufs):
+            buf[slots] = kv_of(tokens, layer, b)
+    return slots
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+@pytest.mark.parametrize("fail", [True, False], ids=["load-fails", "load-lands"])
+@pytest.mark.parametrize("via", ["insert", "request"])
+async def test_kv_computed_apart_over_a_loading_prefix(
+    write_policy: str, fail: bool, via: str
+) -> None:
+    """KV computed without the cache, inserted while the same prefix loads back.
+
+    Its caller has the whole prefix in its own slots, so its insert does not
+    depend on the load: it waits for it, and then hangs its pages under a
+    prefix that landed (or, when the load failed, under its own copy of it,
+    which the index takes: the prefix was on the host only by then, so the
+    insert reports no device-cached tokens). Nothing ends up on the device
+    under a prefix whose bytes never arrived.
+    """
+    landed = 0 if fail else 64
+    P = list(range(100, 164))
+    Q = P + list(range(700, 732))
+    async with TierCache(config(write_policy=write_policy)) as c:
+        await commit(c, P)
+        await c.wait_idle()
+        if write_policy == "write_back":
+            assert await c.evict_device(256) == 64  # written back on the way out
+        else:
+            await c.evict_device(256)
+        own = await write_own(c, Q)
+        with gated_load(c, fail=fail) as gate:
+            if via == "insert":
+                prefix, handle = await c.load_back(c.match_prefix(P))
+                assert handle is not None
+                inserting = asyncio.create_task(c.insert(Q, own))
+                await asyncio.sleep(0.01)
+                pass  # it waits for the load of its prefix
+                gate.set()
+                if fail:
+                    with pytest.raises(RuntimeError, match="injected"):
+                        await handle
+                else:
+                    await handle
+                assert await inserting == landed
+            else:
+                async with c.request(P + [1]) as loading:
+                    inserting = asyncio.create_task(c.insert(Q, own))
+                    await asyncio.sleep(0.01)
+                    assert not inserting.done()
+                    gate.set()
+                    try:
+                        await loading.wait_loaded()
+                    except RuntimeError:
+                        assert fail
+                    assert await inserting == landed
+        await c.wait_idle()
+        check_clean(c)
+        m = c.match_prefix(Q)
+        assert m.index.matched_length == 96
+        if fail:  # the caller's own copy of the prefix replaced the one that did not land
+            assert m.device_tokens == 96 and torch.equal(m.device_indices, own)
+        async with c.request(Q + [9]) as r:
+            await r.wait_loaded()
+            assert r.cached_tokens == 96
+            assert_kv(c, Q, r.prefix_indices)
         await c.wait_idle()
         check_clean(c)

@@ -914,6 +914,11 @@ class RadixIndex:
         A node whose host write is in flight keeps its device slots (the
         write reads them). O(subtree).
 
+        Those two exceptions would leave a device node under a host-only
+        parent, so the caller must never let new device pages hang under a
+        prefix whose load is in flight: the facade's insert waits for every
+        load of the prefix it extends, and so never does.
+
         Returns:
             The device slot tensors taken away, for the caller to free once
             no copy uses them.
