@@ -491,3 +491,89 @@ async def test_concurrent_load_backs_merge_into_one_copy() -> None:
         for d, (_, expect) in zip(dsts, hosts, strict=True):
             assert d is not None
             assert all(torch.equal(e, g) for e, g in zip(expect, kv_at(c, d), strict=True))
+
+
+class _CountingWakes:
+    """Counts ``call_soon_threadsafe`` on ``loop``: each one is a wake-up from another thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        real = loop.call_soon_threadsafe
+
+        def counted(*args: object, **kw: object) -> object:
+            self.count += 1
+            return real(*args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+
+
+async def test_a_load_nobody_watches_layer_by_layer_wakes_the_loop_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The copy thread wakes the loop per layer only while someone may watch the layers."""
+    async with make(layers=12, inline_copy_bytes=0) as c:
+        src = c.device_allocator.alloc(64)
+        assert src is not None
+        host = await c.backup(src)
+        assert host is not None
+        wakes = _CountingWakes(asyncio.get_running_loop(), monkeypatch)
+        dst = await c.load_back(host)  # awaits the whole load, no layer
+        assert dst is not None
+        assert wakes.count == 1  # the job's settle; none of the 12 layers woke it
+        assert all(torch.equal(a, b) for a, b in zip(kv_at(c, dst), kv_at(c, src), strict=True))
+        # Watched: each layer resolves its future as it lands (several may
+        # share one wake-up, but the count grows).
+        c.load(host)
+        handle = c.start_loading()
+        assert handle is not None
+        wakes.count = 0
+        for i in range(12):
+            await handle.layer(i)
+        await handle
+        assert wakes.count > 1
+
+
+@pytest.mark.parametrize("watch", ["before", "after", "never"])
+async def test_layer_futures_say_the_same_whenever_they_are_first_watched(watch: str) -> None:
+    """Futures first read after the load tell what happened, as if watched throughout."""
+    gate = threading.Event()
+    async with make(layers=4, inline_copy_bytes=0) as c:
+        src = c.device_allocator.alloc(32)
+        assert src is not None
+        host = await c.backup(src)
+        assert host is not None
+        real = c.engine.load_layer
+
+        def held(layer: int, plan: object) -> None:
+            gate.wait(10)
+            if layer == 2:
+                raise RuntimeError("copy engine fault")
+            real(layer, plan)  # type: ignore[arg-type]
+
+        c.engine.load_layer = held  # type: ignore[method-assign]
+        c.load(host)
+        handle = c.start_loading()
+        assert handle is not None
+        if watch == "before":
+            futures = handle.layers.futures
+        gate.set()
+        with pytest.raises(RuntimeError, match="copy engine fault"):
+            await handle
+        if watch == "after":
+            futures = handle.layers.futures
+        if watch == "never":  # only the waiters, and the thread-side answers
+            await handle.layer(0)
+            await handle.layer(1)
+            for i in (2, 3):
+                with pytest.raises(RuntimeError, match="copy engine fault"):
+                    await handle.layer(i)
+            await asyncio.to_thread(handle.wait_layer, 1, 5)
+            with pytest.raises(RuntimeError, match="copy engine fault"):
+                await asyncio.to_thread(handle.wait_layer, 3, 5)
+            return
+        await asyncio.sleep(0)
+        assert [f.done() for f in futures] == [True] * 4
+        assert [f.exception() is None for f in futures] == [True, True, False, False]
+        await handle.layer(1)
+        with pytest.raises(RuntimeError):
+            await handle.layer(3)

@@ -63,6 +63,14 @@ class LayerDoneSet:
     thread, and on CUDA the ``torch.cuda.Event`` recorded after the layer's
     copy, on which the compute stream can wait without blocking the host.
 
+    The copy thread wakes the loop for a layer only once someone may be
+    watching the futures (`wait` on a layer not yet landed, or any read of
+    `futures`): a load nobody awaits layer by layer (the whole handle is
+    awaited, or a worker thread waits with `wait_sync`) costs the loop no
+    wake-up per layer, and leaves the copy thread the GIL. The futures are
+    brought up to date when they are first watched, so what they say never
+    depends on when that was.
+
     Created and awaited on the loop thread; ``mark_*`` are called from the copy
     threads (``mark_recorded`` once the layer's copy is queued, ``mark_done``
     once its bytes landed, ``mark_failed`` once the failed load has settled);
@@ -90,7 +98,13 @@ class LayerDoneSet:
         self.loop = loop
         self._loop_thread = threading.get_ident()  # created on the loop's thread
         self.num_layers = num_layers
-        self.futures: list[asyncio.Future[None]] = [loop.create_future() for _ in range(num_layers)]
+        self._futures: list[asyncio.Future[None]] = [
+            loop.create_future() for _ in range(num_layers)
+        ]
+        #: Layers whose bytes landed (set before their `_done` flag).
+        self._landed = [False] * num_layers
+        #: Someone may be watching the futures: the copy thread resolves them.
+        self._watched = False
         self._done = _Flags(num_layers)
         self._recorded = _Flags(num_layers) if cuda else None
         self.cuda_events: list[torch.cuda.Event | None] = [None] * num_layers
@@ -109,8 +123,12 @@ class LayerDoneSet:
 
     def mark_done(self, layer: int) -> None:
         """The layer's bytes are in place on the device."""
+        self._landed[layer] = True
         self._done.set(layer)
-        self._call(self._resolve, layer)
+        # Written before read, here and in `_watch`: if this thread reads
+        # False, the loop reads this layer as landed when it starts watching.
+        if self._watched:
+            self._call(self._resolve, layer)
 
     def mark_failed(self, error: BaseException) -> None:
         """The load failed: every layer not yet done fails with ``error``."""
@@ -142,15 +160,41 @@ class LayerDoneSet:
             fn(*args)
 
     def _resolve(self, layer: int) -> None:
-        fut = self.futures[layer]
+        fut = self._futures[layer]
         if not fut.done():
             fut.set_result(None)
 
     def _fail_all(self, error: BaseException) -> None:
-        for fut in self.futures:
-            if not fut.done():
+        """Layers that landed before the failure succeed; every other one fails."""
+        for layer, fut in enumerate(self._futures):
+            if fut.done():
+                continue
+            if self._landed[layer]:
+                fut.set_result(None)
+            else:
                 fut.set_exception(error)
                 _consume(fut)
+
+    # -- loop side ----------------------------------------------------------
+
+    @property
+    def futures(self) -> list[asyncio.Future[None]]:
+        """One asyncio future per layer, resolved on the loop once the layer landed.
+
+        Loop thread only. Reading them makes the copy thread wake the loop
+        for every layer that lands from now on.
+        """
+        self._watch()
+        return self._futures
+
+    def _watch(self) -> None:
+        """From now on the copy thread resolves the futures; resolve those it skipped."""
+        if self._watched:
+            return
+        self._watched = True
+        for layer, landed in enumerate(self._landed):
+            if landed:
+                self._resolve(layer)
 
     # -- consumer side ------------------------------------------------------
 
@@ -170,6 +214,8 @@ class LayerDoneSet:
         Cancelling the waiter does not cancel the load.
         """
         self._check(layer)
+        if self._landed[layer]:
+            return
         await asyncio.shield(self.futures[layer])
 
     def is_done(self, layer: int) -> bool:
@@ -197,8 +243,7 @@ class LayerDoneSet:
             raise self.error
 
     def _layer_ok(self, layer: int) -> bool:
-        fut = self.futures[layer]
-        return fut.done() and not fut.cancelled() and fut.exception() is None
+        return self._landed[layer]
 
     def wait_device(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
         """On CUDA, make a compute stream wait for layer ``layer`` without blocking the host.
