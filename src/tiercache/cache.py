@@ -999,8 +999,7 @@ class TierCache(AsyncResource):
             )
         n = len(toks) // ps * ps
         dev = check_slot_indices(slots[:n], ps, ctl.device_pool.num_slots, "device_indices")
-        pages = self._pages(dev)
-        if n and pages.size != np.unique(pages).size:
+        if n and ctl.device_allocator.has_repeats(self._pages(dev)):
             raise InvalidInputError("device_indices lists a page twice")
         return dev
 

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -98,3 +99,39 @@ def test_sizes_are_ints_numpy_integers_included_bools_and_floats_refused() -> No
     for bad_size in (True, 0, 1.5):
         with pytest.raises(InvalidInputError, match="size_bytes must be a positive int"):
             HostKVPool(layout, size_bytes=bad_size, pin_memory=False)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("pages", [2, 64, 65, 500])
+@pytest.mark.parametrize("released_first", [False, True])
+def test_a_page_listed_twice_is_refused_at_any_size_and_nothing_changes(
+    pages: int, released_first: bool
+) -> None:
+    """Few pages and many take different checks; both refuse a repeat and keep the state."""
+    ps = 4
+    a = PageAllocator(1024 * ps, ps)
+    other = a.alloc(100 * ps)
+    assert other is not None
+    if released_first:  # pages sitting in the release list, not yet merged back
+        a.free(other[: 10 * ps])
+    x = a.alloc(pages * ps)
+    assert x is not None
+    before = a.available
+    for where in (0, pages // 2, pages - 1):
+        dup = torch.cat([x, x[where * ps : (where + 1) * ps]])
+        with pytest.raises(DoubleFreeError, match="twice"):
+            a.free(dup)
+        assert a.available == before
+        assert a.is_allocated(x)
+    a.free(x)  # the real free still works, exactly once
+    assert a.available == before + pages * ps
+    with pytest.raises(DoubleFreeError):
+        a.free(x)
+
+
+@pytest.mark.parametrize("n", [1, 2, 64, 65, 300])
+def test_has_repeats_finds_a_page_named_twice_at_any_size(n: int) -> None:
+    a = PageAllocator(512 * 16, 16)
+    pages = np.random.default_rng(n).permutation(512)[:n].astype(np.int64)
+    assert not a.has_repeats(pages)
+    if n > 1:
+        assert a.has_repeats(np.concatenate([pages, pages[n // 2 : n // 2 + 1]]))

@@ -17,6 +17,9 @@ __all__ = ["PageAllocator", "check_slot_indices"]
 #: Up to this many slots, `check_slot_indices` checks them as Python ints.
 _SMALL = 256
 
+#: Up to this many pages, a free looks for a page listed twice with a set.
+_SMALL_FREE = 64
+
 
 def check_slot_indices(
     indices: object, page_size: int, num_slots: int, what: str = "indices"
@@ -193,11 +196,36 @@ class PageAllocator:
         if not held.all():
             bad = pages[~held][:4].tolist()
             raise DoubleFreeError(f"freeing pages that are not allocated (first: {bad})")
-        if pages.size > 1 and np.unique(pages).size != pages.size:
-            raise DoubleFreeError("the same page is listed twice in one free")
         self._allocated[pages] = False
+        if self._listed_twice(pages):
+            self._allocated[pages] = True  # every one was allocated: nothing changed
+            raise DoubleFreeError("the same page is listed twice in one free")
         self._released.append(pages)
         self._num_released += pages.size
+
+    def _listed_twice(self, pages: npt.NDArray[np.int64]) -> bool:
+        """Whether allocated ``pages``, just marked free, named a page twice.
+
+        A few pages are compared as Python ints. Many are counted instead of
+        sorted: the pool's pages still marked allocated must be exactly the
+        ones allocated before, less one per page listed (a scan of one byte a
+        page, where sorting or hashing the list costs a millisecond at 16k).
+        """
+        if pages.size <= _SMALL_FREE:
+            return len(set(pages.tolist())) != pages.size
+        used_before = self.num_pages - self._free.size - self._num_released
+        return int(np.count_nonzero(self._allocated)) != used_before - pages.size
+
+    def has_repeats(self, pages: npt.NDArray[np.int64]) -> bool:
+        """Whether ``pages`` (page ids of this pool) name a page more than once.
+
+        O(pages) plus one byte a pool page: no sort, no hash of the list.
+        """
+        if pages.size <= _SMALL_FREE:
+            return len(set(pages.tolist())) != pages.size
+        seen = np.zeros(self.num_pages, dtype=np.bool_)
+        seen[pages] = True
+        return int(np.count_nonzero(seen)) != pages.size
 
     def is_allocated(self, indices: torch.Tensor, *, checked: bool = False) -> bool:
         """Whether every page of ``indices`` is currently allocated (``checked``: as in `free`)."""
