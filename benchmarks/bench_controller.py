@@ -23,9 +23,16 @@ Both run in the same process and loop, in interleaved rounds (the order
 alternating every round); the figures are medians over the rounds.
 
 Part 2 — event-loop lag: a coroutine ticking every 1 ms records how late each
-tick wakes while 1 GiB (quick: 128 MiB) moves device->host->device through the
-controller. p50, p99 and max lag are reported, and p99 as a fraction of the
-transfer's duration (target < 5%).
+tick wakes while 1 GiB (quick: 128 MiB) of 4 MiB pages moves
+device->host->device through the controller, and again 256 MiB (quick: 64 MiB)
+of 16 KiB pages. p50, p99 and max lag are reported, and p99 as a fraction of
+the transfer's duration (target < 5%).
+
+Part 3 — the longest call: every synchronous controller verb of a 256 MiB
+(quick: 64 MiB) round trip (``submit_write``, ``start_writing``,
+``submit_load``, ``start_loading``, ``free_device``, ``free_host``) is timed on
+its own, for both page shapes; the headline is the slowest verb's median
+(target < 1 ms: no call may stall the loop longer).
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ TARGET_COST_RATIO = 1.25
 #: Controller ops/s / caller-does-the-copies ops/s, at 8 in flight: at least this.
 TARGET_OPS_RATIO = 1.0
 TARGET_LAG_FRACTION = 0.05
+#: The slowest synchronous verb of a 256 MiB round trip, in ms: below this.
+TARGET_CALL_MS = 1.0
 CONCURRENCY = 8
 TICK_S = 0.001
 
@@ -215,10 +224,13 @@ def _run_on(loop_name: str, coro_fn: Callable[[], Any]) -> Any:
 # -- event-loop lag ---------------------------------------------------------------
 
 
-async def _lag(total_bytes: int, rounds: int) -> dict[str, Any]:
+#: The lag's large pages: 16 layers, 8 KV heads of 128, fp16, page 64 (4 MiB a page).
+LAG_LAYOUT = KVLayout(16, 8, 128, torch.float16, 64)
+
+
+async def _lag(total_bytes: int, rounds: int, spec: KVLayout = LAG_LAYOUT) -> dict[str, Any]:
     """Tick every 1 ms while ``total_bytes`` go device->host->device ``rounds`` times."""
-    spec = KVLayout(16, 8, 128, torch.float16, 64)  # 64 KiB per token
-    n = total_bytes // spec.token_bytes
+    n = total_bytes // spec.page_bytes * spec.page_size
     device = DeviceKVPool(spec, 2 * n)
     host = HostKVPool(spec, n)
     host.buffer.zero_()
@@ -266,6 +278,7 @@ async def _lag(total_bytes: int, rounds: int) -> dict[str, Any]:
     duration = sum(durations) / len(durations)
     p50, p99, mx = percentile(lags, 50), percentile(lags, 99), max(lags, default=0.0)
     return {
+        "page_bytes": spec.page_bytes,
         "bytes_each_way": n * spec.token_bytes,
         "rounds": rounds,
         "round_trip_s": duration,
@@ -279,6 +292,51 @@ async def _lag(total_bytes: int, rounds: int) -> dict[str, Any]:
         "p99_fraction_of_transfer": p99 / duration,
         "max_fraction_of_transfer": mx / duration,
     }
+
+
+# -- the longest call ----------------------------------------------------------------
+
+CALL_VERBS = (
+    "submit_write",
+    "start_writing",
+    "free_device",
+    "submit_load",
+    "start_loading",
+    "free_host",
+)
+
+
+async def _calls(label: str, total_bytes: int, rounds: int) -> dict[str, float]:
+    """Median ms of each synchronous verb of a ``total_bytes`` round trip of ``label`` pages."""
+    layout = SHAPES[label]
+    n = total_bytes // layout.page_bytes * layout.page_size
+    device, host = _pools(layout, n)
+    times: dict[str, list[float]] = {}
+
+    def timed(verb: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*args)
+        times.setdefault(verb, []).append(time.perf_counter() - t0)
+        return out
+
+    async with TierController(device, host, track_acks=False, auto_start_writes=False) as c:
+        for _ in range(rounds + 1):  # the first round warms the pools up, untimed
+            if _ == 1:
+                times.clear()
+            dev = c.device_allocator.alloc(n)
+            assert dev is not None
+            write = timed("submit_write", c.submit_write, dev)
+            assert write is not None
+            timed("start_writing", c.start_writing)
+            await write
+            timed("free_device", c.free_device, dev)
+            load = timed("submit_load", c.submit_load, write.host_indices)
+            assert load is not None
+            handle = timed("start_loading", c.start_loading)
+            await handle
+            timed("free_device", c.free_device, load.device_indices)
+            timed("free_host", c.free_host, write.host_indices)
+    return {verb: statistics.median(ts) * 1e3 for verb, ts in times.items()}
 
 
 # -- main ---------------------------------------------------------------------------
@@ -305,6 +363,16 @@ def main(
                 rates.append({**row, "loop": loop_name})
 
     lag = {name: _run_on(name, functools.partial(_lag, lag_bytes, lag_rounds)) for name in LOOPS}
+    small_bytes = (16 if smoke else 64 if quick else 256) * 2**20
+    small = SHAPES["16 KiB"]
+    lag_small = {
+        name: _run_on(name, functools.partial(_lag, small_bytes, lag_rounds, small))
+        for name in LOOPS
+    }
+    calls = {
+        label: _run_on("asyncio", functools.partial(_calls, label, small_bytes, rounds))
+        for label in SHAPES
+    }
 
     heads = [
         headline(
@@ -331,6 +399,25 @@ def main(
             higher_is_better=False,
         )
         for name, v in lag.items()
+    ]
+    heads += [
+        headline(
+            f"loop lag p99 / transfer time, {small_bytes >> 20} MiB round trip, "
+            f"16 KiB pages, {name}",
+            v["p99_fraction_of_transfer"],
+            TARGET_LAG_FRACTION,
+            higher_is_better=False,
+        )
+        for name, v in lag_small.items()
+    ]
+    heads += [
+        headline(
+            f"longest controller call (ms), {small_bytes >> 20} MiB round trip, {label} pages",
+            max(verbs.values()),
+            TARGET_CALL_MS,
+            higher_is_better=False,
+        )
+        for label, verbs in calls.items()
     ]
     columns = [
         "page",
@@ -375,10 +462,13 @@ def main(
         ),
         "rates": rates,
         "lag": lag,
+        "lag_small_pages": lag_small,
+        "calls_ms": {"bytes": small_bytes, "rounds": rounds, "median_ms": calls},
         "headline": heads,
         "table": {"columns": columns, "rows": rows},
         "lag_table": {
             "columns": [
+                "pages",
                 "loop",
                 "round trip ms",
                 "ticks",
@@ -390,6 +480,7 @@ def main(
             ],
             "rows": [
                 [
+                    f"{v['page_bytes'] >> 10} KiB",
                     name,
                     v["round_trip_s"] * 1e3,
                     v["ticks"],
@@ -399,8 +490,13 @@ def main(
                     v["idle_lag_p99_ms"],
                     v["p99_fraction_of_transfer"],
                 ]
-                for name, v in lag.items()
+                for lags in (lag, lag_small)
+                for name, v in lags.items()
             ],
+        },
+        "calls_table": {
+            "columns": ["pages", *CALL_VERBS],
+            "rows": [[label, *(verbs[v] for v in CALL_VERBS)] for label, verbs in calls.items()],
         },
         "elapsed_s": 0.0,
     }
@@ -431,3 +527,4 @@ if __name__ == "__main__":
     res = main()
     print_table(res["table"]["columns"], res["table"]["rows"])
     print_table(res["lag_table"]["columns"], res["lag_table"]["rows"])
+    print_table(res["calls_table"]["columns"], res["calls_table"]["rows"])

@@ -80,9 +80,24 @@ def test_runner_writes_transfer_and_controller_results(tmp_path: Path) -> None:
     for r in controller["rates"]:
         assert _positive(r["async_ops_per_s"]) and _positive(r["floor_ops_per_s"]), r
         assert r["copies_off_loop"] == (r["page"] == "768 KiB"), r
-    for lag in controller["lag"].values():
+    for lag in [*controller["lag"].values(), *controller["lag_small_pages"].values()]:
         assert lag["ticks"] > 0 and _positive(lag["round_trip_s"])
         assert lag["lag_p50_ms"] <= lag["lag_p99_ms"] <= lag["lag_max_ms"]
+    assert {v["page_bytes"] for v in controller["lag_small_pages"].values()} == {16384}
+    calls = controller["calls_ms"]["median_ms"]
+    assert set(calls) == {"16 KiB", "768 KiB"}
+    for verbs in calls.values():
+        assert set(verbs) == {
+            "submit_write",
+            "start_writing",
+            "free_device",
+            "submit_load",
+            "start_loading",
+            "free_host",
+        }
+        assert all(_positive(ms) for ms in verbs.values()), verbs
+    longest = [h for h in controller["headline"] if h["name"].startswith("longest")]
+    assert sorted(h["value"] for h in longest) == sorted(max(v.values()) for v in calls.values())
     assert (tmp_path / "controller.png").stat().st_size > 0
 
     summary = json.loads((tmp_path / "summary.json").read_text())
