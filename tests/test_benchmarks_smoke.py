@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from benchmarks.bench_controller import CALL_VERBS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,14 +88,7 @@ def test_runner_writes_transfer_and_controller_results(tmp_path: Path) -> None:
     calls = controller["calls_ms"]["median_ms"]
     assert set(calls) == {"16 KiB", "768 KiB"}
     for verbs in calls.values():
-        assert set(verbs) == {
-            "submit_write",
-            "start_writing",
-            "free_device",
-            "submit_load",
-            "start_loading",
-            "free_host",
-        }
+        assert set(verbs) == set(CALL_VERBS)
         assert all(_positive(ms) for ms in verbs.values()), verbs
     longest = [h for h in controller["headline"] if h["name"].startswith("longest")]
     assert sorted(h["value"] for h in longest) == sorted(max(v.values()) for v in calls.values())

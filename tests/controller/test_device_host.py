@@ -44,6 +44,15 @@ def make(
     return TierController(dev, host, **kw)  # type: ignore[arg-type]
 
 
+async def backed_up(c: TierController, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens`` device slots and the host copy the controller backed them up to."""
+    src = c.device_allocator.alloc(tokens)
+    assert src is not None
+    host = await c.backup(src)
+    assert host is not None
+    return src, host
+
+
 def kv_at(c: TierController, slots: torch.Tensor) -> list[torch.Tensor]:
     return [
         c.device_pool.buffers[b][layer][slots].clone()
@@ -152,10 +161,7 @@ async def test_layer_futures_resolve_in_order_before_completion_with_data_in_pla
 
 async def test_sync_wait_from_a_worker_thread_and_not_on_the_loop() -> None:
     async with make() as c:
-        src = c.device_allocator.alloc(64)
-        assert src is not None
-        host = await c.backup(src)
-        assert host is not None
+        src, host = await backed_up(c, 64)
         c.load(host)
         handle = c.start_loading()
         assert handle is not None
@@ -277,10 +283,7 @@ async def test_a_failing_copy_fails_its_layers_frees_and_leaves_the_controller_w
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async with make(layers=4) as c:
-        src = c.device_allocator.alloc(32)
-        assert src is not None
-        host = await c.backup(src)
-        assert host is not None
+        src, host = await backed_up(c, 32)
         real = c.engine.load_layer
 
         def broken(layer: int, plan: object) -> None:
@@ -512,10 +515,7 @@ async def test_a_load_nobody_watches_layer_by_layer_wakes_the_loop_once(
 ) -> None:
     """The copy thread wakes the loop per layer only while someone may watch the layers."""
     async with make(layers=12, inline_copy_bytes=0) as c:
-        src = c.device_allocator.alloc(64)
-        assert src is not None
-        host = await c.backup(src)
-        assert host is not None
+        src, host = await backed_up(c, 64)
         wakes = _CountingWakes(asyncio.get_running_loop(), monkeypatch)
         dst = await c.load_back(host)  # awaits the whole load, no layer
         assert dst is not None
@@ -538,10 +538,7 @@ async def test_layer_futures_say_the_same_whenever_they_are_first_watched(watch:
     """Futures first read after the load tell what happened, as if watched throughout."""
     gate = threading.Event()
     async with make(layers=4, inline_copy_bytes=0) as c:
-        src = c.device_allocator.alloc(32)
-        assert src is not None
-        host = await c.backup(src)
-        assert host is not None
+        src, host = await backed_up(c, 32)
         real = c.engine.load_layer
 
         def held(layer: int, plan: object) -> None:
