@@ -79,6 +79,10 @@ _T = TypeVar("_T")
 # moving to a public name; the rest of the module calls these helpers only.
 
 
+def _nothing() -> None:
+    pass
+
+
 class _RoomQueue:
     """Tasks waiting for room in one pool, served first come, first served.
 
@@ -303,7 +307,7 @@ class TierCache(AsyncResource):
         self.tasks = TaskGroup("cache")
         # The cache's own tasks among them (the storage tier's run until detach).
         self._own: set[asyncio.Task[Any]] = set()
-        self._forget_settle: Callable[[], None] = lambda: None
+        self._forget_settle: Callable[[], None] = _nothing
         self._open_requests = 0
 
     # -- lifecycle --------------------------------------------------------------
@@ -399,6 +403,9 @@ class TierCache(AsyncResource):
             await self._join_own()
         finally:
             self._forget_settle()
+            # It refers to this cache (its callback): drop it, or the cache and
+            # its pools would wait for the garbage collector.
+            self._forget_settle = _nothing
             try:
                 await ctl.aclose()
             finally:

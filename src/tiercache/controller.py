@@ -20,6 +20,7 @@ import concurrent.futures
 import enum
 import itertools
 import logging
+import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -361,6 +362,12 @@ class _HostSlots:
         busy: the controller's per-page use counts of the host pool.
         released: called after a hold ends (the controller's settle callbacks).
         failed: called with a tier its fault policy gave up on.
+
+    Both callbacks are bound methods of the controller, held weakly: the
+    controller owns this object, and a strong reference back would put the
+    controller, and the pools it holds, in a cycle that only the garbage
+    collector frees (a pause on whichever thread runs it, when the pools are
+    large).
     """
 
     __slots__ = ("_allocator", "_busy", "_device", "_failed", "_pool", "_released")
@@ -378,8 +385,8 @@ class _HostSlots:
         self._allocator = allocator
         self._device = device
         self._busy = busy
-        self._released = released
-        self._failed = failed
+        self._released = weakref.WeakMethod(released)
+        self._failed = weakref.WeakMethod(failed)
 
     @property
     def pool(self) -> HostKVPool:
@@ -400,11 +407,15 @@ class _HostSlots:
     def release(self, host_indices: torch.Tensor) -> None:
         """End a `hold`; runs the controller's settle callbacks (the pages may be freed now)."""
         self._busy.add(self._busy.pages(host_indices), -1)
-        self._released()
+        released = self._released()
+        if released is not None:
+            released()
 
     def storage_failed(self, tier: StorageTier) -> None:
         """The fault policy gave up on ``tier``: the controller detaches it in the background."""
-        self._failed(tier)
+        failed = self._failed()
+        if failed is not None:
+            failed(tier)
 
 
 class TierController(AsyncResource):
