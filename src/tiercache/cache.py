@@ -159,6 +159,9 @@ class _EvictionPass:
     writes: list[tuple[Node, CopyAck]] = field(default_factory=list)
     #: The first node that could not be written back for want of host room.
     homeless: Node | None = None
+    #: Nodes that can neither leave nor be dropped (their write back failed,
+    #: and host-only children or a pin need them): the next pass looks past them.
+    stuck: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -702,24 +705,30 @@ class TierCache(AsyncResource):
         3. else, if a node found no host room, wait (once per node) for host
            room that copies in flight hold, up to ``deadline``; if none comes,
            the next pass drops that node when nothing below it needs it;
-        4. else nothing more can be freed.
+        4. else, if the pass found nodes that must stay (their write back
+           failed and they cannot be dropped), pass again looking past them:
+           other, less recently used nodes may leave instead;
+        5. else nothing more can be freed.
 
-        Every round starts a write back, waits once for a node, or gives a
-        node up: the loop ends.
+        Every round starts a write back, waits once for a node, gives a node
+        up, or sets one aside: the loop ends.
         """
         loop = asyncio.get_running_loop()
         freed = 0
         failed: set[int] = set()  # nodes no write back will save: dropped, not retried
         waited: set[int] = set()  # nodes host room was waited for (once each)
+        stuck: set[int] = set()  # nodes that must stay: later passes look past them
         granted = False  # host room was just made for a write back: it may go first
         while freed < num_tokens:
-            step = self._eviction_pass(num_tokens - freed, failed, granted)
+            step = self._eviction_pass(num_tokens - freed, failed, granted, stuck)
             freed += step.freed
             homeless, granted = step.homeless, False
             if step.writes:
                 await self._wait_write_backs(step.writes, failed)
             elif homeless is None:
-                break
+                if step.stuck <= stuck:
+                    break
+                stuck |= step.stuck
             elif homeless.id in waited:
                 failed.add(homeless.id)  # room was made for it, yet it could not be written
             else:
@@ -729,7 +738,9 @@ class TierCache(AsyncResource):
                     failed.add(homeless.id)
         return freed
 
-    def _eviction_pass(self, num_tokens: int, failed: set[int], granted: bool) -> _EvictionPass:
+    def _eviction_pass(
+        self, num_tokens: int, failed: set[int], granted: bool, stuck: set[int]
+    ) -> _EvictionPass:
         """Evict what can leave the device now, LRU first; start write backs for the rest.
 
         The candidates come from the index in an order where a node follows
@@ -743,7 +754,7 @@ class TierCache(AsyncResource):
         out = _EvictionPass()
         stays: set[int] = set()  # a child stays on the device
         waits: set[int] = set()  # a child leaves once its write back lands
-        for node in self.index.evict_device_candidates(num_tokens):
+        for node in self.index.evict_device_candidates(num_tokens, skip=stuck):
             if node.id in stays:
                 fate = "stays"
             elif node.id not in waits and node.on_host:
@@ -777,6 +788,8 @@ class TierCache(AsyncResource):
         if node.id in failed:
             dropped = self._drop_device_only(ctl, node)
             out.freed += dropped
+            if not dropped:
+                out.stuck.add(node.id)
             return "gone" if dropped else "stays"
         ack = self._start_write_back(ctl, node, granted)
         if ack is not None:

@@ -729,3 +729,45 @@ async def test_write_back_evicts_a_device_only_parent_of_host_only_children() ->
         # Nothing is locked: both pages must leave the device (the child is
         # written back first, then the parent).
         assert await cache.evict_device(2 * PS) == 2 * PS
+
+
+async def test_eviction_looks_past_nodes_whose_write_back_failed_and_must_stay() -> None:
+    """Write backs fail; the LRU nodes cannot be dropped (a host-only child needs them).
+
+    The eviction must not stop at them while another device-only node could
+    leave: it sets them aside and takes the next least recently used one.
+    """
+    cfg = small_config(write_policy="write_back", alloc_timeout_s=0.0)
+    async with TierCache(cfg) as cache:
+        old = [1] * (2 * PS) + [2] * PS
+        async with cache.request([*old, 0]) as req:
+            slots = await req.alloc(len(old) + 1)
+            await req.commit([*old, 0], slots)
+        cache.match_prefix(old[: 2 * PS])  # split: [1]*2PS, then its child [2]*PS
+        assert await cache.evict_device(PS) == PS  # the child leaves (written back)
+        parent = cache.match_prefix(old)
+        assert (parent.device_tokens, parent.host_tokens) == (2 * PS, PS)
+        recent = [5] * (3 * PS)
+        async with cache.request([*recent, 0]) as req:
+            slots = await req.alloc(len(recent) + 1)
+            await req.commit([*recent, 0], slots)
+        await cache.wait_idle()
+        filler = await cache.alloc_device(cache.controller.device_allocator.available)
+        engine = cache.controller.engine
+
+        def failing(plan: Any) -> None:
+            raise RuntimeError("injected copy failure")
+
+        engine.backup_all_layers = failing  # type: ignore[method-assign]
+        try:
+            got = await cache.alloc_device(2 * PS)  # the LRU candidate is the stuck parent
+        finally:
+            del engine.backup_all_layers
+        assert got.numel() == 2 * PS
+        # The recent node was dropped (its write back failed too); the parent stays.
+        assert cache.match_prefix(recent).device_tokens == 0
+        assert cache.match_prefix(old).device_tokens == 2 * PS
+        cache.free_device(got)
+        cache.free_device(filler)
+        await cache.wait_idle()
+        cache.index.check_invariants()

@@ -363,6 +363,10 @@ def test_device_eviction_is_lru_leaves_first() -> None:
     # a becomes a leaf only once b and c are taken
     assert index.evict_device_candidates(100) == [d, c, b, a]
     assert index.evict_device_candidates(0) == []
+    # Skipped nodes are not offered, nor is a parent of one (it cannot become a leaf).
+    assert index.evict_device_candidates(1, skip={d.id}) == [c]
+    assert index.evict_device_candidates(100, skip={c.id}) == [d, b]
+    assert index.evict_device_candidates(100, skip={d.id, b.id, c.id}) == []
     assert set(index.evictable_device_leaves()) == {b, c, d}
     index.lock(c)
     assert index.evict_device_candidates(100) == [d, b]

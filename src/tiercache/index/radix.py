@@ -45,7 +45,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -818,14 +818,15 @@ class RadixIndex:
         """The device leaves `evict_device_candidates` may offer, in no order (O(N))."""
         return [n for n in self.nodes() if self._device_leaf(n, ())]
 
-    def evict_device_candidates(self, num_tokens: int) -> list[Node]:
+    def evict_device_candidates(self, num_tokens: int, skip: Collection[int] = ()) -> list[Node]:
         """Nodes to evict from the device to free at least ``num_tokens`` slots, LRU first.
 
         Leaves first: a node is offered only after every device-resident
         child of it was offered; locked nodes (and nodes with a write in
         flight, which are locked) never are, nor are pinned nodes without a
         host copy (they could only be removed, and a pin keeps a node in the
-        tree). The tree is not changed: for
+        tree), nor the nodes whose ids are in ``skip`` (the caller found they
+        must stay), nor therefore their ancestors. The tree is not changed: for
         each node, in order, the caller either frees its device slots and
         calls `mark_device_evicted` (it is on the host), or, when it is a
         leaf, frees them and calls `remove`, or writes it back first. Fewer
@@ -834,7 +835,11 @@ class RadixIndex:
         """
         self._check_count(num_tokens)
         taken: set[int] = set()
-        heap = [(n.last_access, n.id, n) for n in self.nodes() if self._device_leaf(n, taken)]
+        heap = [
+            (n.last_access, n.id, n)
+            for n in self.nodes()
+            if n.id not in skip and self._device_leaf(n, taken)
+        ]
         heapq.heapify(heap)
         out: list[Node] = []
         freed = 0
@@ -845,7 +850,7 @@ class RadixIndex:
             freed += len(n.key)
             p = n.parent
             assert p is not None
-            if not p.is_root and self._device_leaf(p, taken):
+            if not p.is_root and p.id not in skip and self._device_leaf(p, taken):
                 heapq.heappush(heap, (p.last_access, p.id, p))
         return out
 
