@@ -339,6 +339,17 @@ def _merged(ops: list[_Operation]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([o.host_indices for o in ops]), torch.cat([o.device_indices for o in ops])
 
 
+def _settled(error: BaseException | None) -> concurrent.futures.Future[None]:
+    """A finished future with ``error`` (or a result, when ``None``)."""
+    fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+    fut.set_running_or_notify_cancel()
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+    return fut
+
+
 def _wait_exception(fut: concurrent.futures.Future[None]) -> BaseException | None:
     """Block (a copy worker thread) until ``fut`` is done; return its exception."""
     concurrent.futures.wait([fut])
@@ -1153,6 +1164,11 @@ class TierController(AsyncResource):
         if wjob is not None:
             self._write_jobs.discard(wjob)
             self._writing_host.add(wjob.host_pages, -1)
+            # The stream's future keeps the callback that settled it, and that
+            # callback refers to this job: a cycle through the controller (and
+            # its pools) that only the garbage collector would free. A settled
+            # copy of the future carries the outcome on instead.
+            wjob.settled = _settled(error)
         for op in ops:
             self._mark_busy(op, -1)
         tracked = self.track_acks

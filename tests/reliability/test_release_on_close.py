@@ -82,11 +82,15 @@ async def test_a_closed_cache_frees_its_pools_without_the_collector(
     assert [p() is None for p in pools] == [True, True]
 
 
-async def test_a_closed_controller_frees_its_pools_without_the_collector(no_gc: None) -> None:
+@pytest.mark.parametrize("inline_copy_bytes", [0, 1 << 20], ids=["worker", "inline"])
+async def test_a_closed_controller_frees_its_pools_without_the_collector(
+    no_gc: None, inline_copy_bytes: int
+) -> None:
+    """Copies run on the stream's worker (as on a GPU, or large ones) or inline."""
     layout = KVLayout(2, 2, 8, torch.float16, 16)
     device, host = DeviceKVPool(layout, 256), HostKVPool(layout, 512)
     pools = [weakref.ref(device), weakref.ref(host)]
-    c = TierController(device, host)
+    c = TierController(device, host, inline_copy_bytes=inline_copy_bytes)
     del device, host
     async with c:
         await c.attach_storage_backend("memory://")
