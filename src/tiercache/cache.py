@@ -1201,7 +1201,11 @@ class TierCache(AsyncResource):
             return
         self.index.pin_host(node)
         op = ctl.write_storage(
-            node.host_indices, list(node.key), node_id=node.id, hash_values=list(node.page_hashes)
+            node.host_indices,
+            list(node.key),
+            node_id=node.id,
+            hash_values=list(node.page_hashes),
+            track=False,  # awaited below: nobody drains it
         )
         if op is None:
             self.index.unpin_host(node)

@@ -1487,13 +1487,22 @@ class TierController(AsyncResource):
         *,
         node_id: object = None,
         hash_values: list[str] | None = None,
+        track: bool = True,
     ) -> BackupOperation | None:
-        """Back host pages up to storage (see `StorageTier.write_storage`); ``None`` when detached."""
+        """Back host pages up to storage (see `StorageTier.write_storage`); ``None`` when detached.
+
+        ``track``: report the ended operation through `drain_backup_acks`.
+        """
         self._check_open()
         if self.storage is None:
             return None
         return self.storage.write_storage(
-            host_indices, token_ids, hash_value, node_id=node_id, hash_values=hash_values
+            host_indices,
+            token_ids,
+            hash_value,
+            node_id=node_id,
+            hash_values=hash_values,
+            track=track,
         )
 
     def drain_backup_acks(self) -> list[BackupOperation]:

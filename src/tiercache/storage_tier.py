@@ -46,7 +46,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from tiercache._aio import bounded, finish
-from tiercache._checks import check_int
+from tiercache._checks import check_bool, check_int
 from tiercache._tasks import TaskGroup
 from tiercache.errors import (
     BackendUnavailableError,
@@ -351,6 +351,23 @@ class PrefetchOperation(_Completion):
         )
 
 
+def _untraced(error: BaseException) -> BaseException:
+    """``error``, and the errors it was raised from, without their tracebacks.
+
+    For an error an operation keeps (a storage failure, a miss, already
+    logged): its traceback holds this tier's frames, which hold the operation
+    and the tier, and through the tier the host pool, in a cycle only the
+    garbage collector would free.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return error
+
+
 class BackupOperation(_Completion):
     """One backup of host pages to storage. ``await op`` (or ``op.wait()``) waits for it to end.
 
@@ -364,6 +381,8 @@ class BackupOperation(_Completion):
         host_indices: torch.Tensor,
         hash_values: list[str],
         done: asyncio.Future[None],
+        *,
+        track: bool = True,
     ) -> None:
         self.node_id = node_id
         self.host_indices = host_indices
@@ -371,6 +390,8 @@ class BackupOperation(_Completion):
         self.completed_tokens = 0
         self.error: BaseException | None = None
         self._done = done
+        #: Reported by `StorageTier.drain_backup_acks` once it ends.
+        self._track = track
 
     @property
     def succeeded(self) -> bool:
@@ -714,7 +735,7 @@ class StorageTier:
                     break
         except StorageError as e:
             logger.warning("storage query for %r failed, treated as a miss: %s", op.request_id, e)
-            op.error = e
+            op.error = _untraced(e)
         return hit_pages
 
     async def _query(self, op: PrefetchOperation) -> None:
@@ -796,7 +817,7 @@ class StorageTier:
                 logger.warning(
                     "prefetch %r: storage read failed, keeping what arrived: %s", op.request_id, e
                 )
-                op.error = e
+                op.error = _untraced(e)
                 prefix.land(batch, 0)
                 return
             n_ok = _leading_ok(got)
@@ -859,18 +880,26 @@ class StorageTier:
         *,
         node_id: object = None,
         hash_values: list[str] | None = None,
+        track: bool = True,
     ) -> BackupOperation:
         """Back ``host_indices`` (holding ``token_ids``' KV) up to storage, batch by batch.
 
         The host slots stay the caller's but cannot be evicted until the backup
         ends. With ``write_enabled`` false (MLA on a TP rank other than 0) the
         backup completes at once without IO: rank 0 writes for everyone.
+        ``track``: report the ended operation through `drain_backup_acks` (an
+        engine's scheduler polls it); a caller that awaits the operation or
+        registers a done callback passes ``False``, or the ended operations
+        pile up until it drains them.
 
         Raises:
             InvalidInputError: slots and tokens that do not match.
         """
         host, tokens = self._check_tokens(host_indices, token_ids)
-        op = BackupOperation(node_id, host, hash_values or [], self._loop.create_future())
+        check_bool(track, "track")
+        op = BackupOperation(
+            node_id, host, hash_values or [], self._loop.create_future(), track=track
+        )
         # Spawned first (it runs later): a closed group refuses it before anything is held.
         task = self.tasks.spawn(self._backup(op, tokens, prior_hash), "a backup")
         # A task cancelled before its first step never runs `_backup`'s cleanup: end it here.
@@ -892,12 +921,13 @@ class StorageTier:
                 op.completed_tokens = op.host_indices.numel()
         except StorageError as e:
             self.stats.backup_failed += 1
-            op.error = e
+            op.error = _untraced(e)
             logger.warning(
                 "backup of %r ended early after %d tokens: %s", op.node_id, op.completed_tokens, e
             )
-        except asyncio.CancelledError as e:
-            op.error = e
+        except asyncio.CancelledError:
+            # A new one: the one raised carries this frame, which holds ``op``.
+            op.error = asyncio.CancelledError()
             raise
         finally:
             self._end_backup(op)
@@ -938,7 +968,8 @@ class StorageTier:
         if op.done():
             return
         self.slots.release(op.host_indices)
-        self._finished_backups.append(op)
+        if op._track:
+            self._finished_backups.append(op)
         self._backups.pop(op, None)
         self._work_changed()
         if not op.done():
@@ -977,6 +1008,13 @@ class StorageTier:
             op._frozen = True
         self._query_queue.put_nowait(None)
         await self._end_tasks()
+        # A task that ended with an exception (the cancelled probe) holds its
+        # traceback, whose frames hold this tier, and the tier holds host
+        # pool memory: drop them, or only the garbage collector frees the pool.
+        self._probe = None
+        self._loads.clear()
+        self._backups.clear()
+        self._finished_backups.clear()  # nobody drains a stopped tier
         # Operations still queued for the query loop never started: end them now.
         for op in list(self._ops):
             self._end(op, PrefetchState.TERMINATED)

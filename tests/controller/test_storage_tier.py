@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
-from tiercache import DeviceKVPool, HostKVPool, KVLayout, TierController
+from tiercache import DeviceKVPool, HostKVPool, KVLayout, TierCache, TierCacheConfig, TierController
 from tiercache.errors import (
     BackendUnavailableError,
     ConfigError,
@@ -428,3 +429,52 @@ async def test_a_detach_in_the_same_loop_turn_ends_every_operation_and_frees_its
     assert not ctl.ack_busy("host", backup_host)
     ctl.free_host(backup_host)
     assert ctl.host_allocator.available == free_before
+
+
+async def test_only_tracked_backups_wait_to_be_drained() -> None:
+    """A backup its caller awaits (``track=False``, as the cache does) is not kept for `drain_backup_acks`.
+
+    Nothing else drains a cache's backups: kept, they would pile up for the
+    life of the process.
+    """
+    async with make() as c:
+        await c.attach_storage_backend(MemoryBackend())
+        tokens = list(range(2 * PS))
+        dev = c.device_allocator.alloc(len(tokens))
+        assert dev is not None
+        host = await c.backup(dev)
+        assert host is not None
+        for i in range(3):
+            op = c.write_storage(host, tokens, node_id=f"untracked{i}", track=False)
+            assert op is not None
+            await op
+            assert op.succeeded
+        tracked = c.write_storage(host, tokens, node_id="tracked")
+        assert tracked is not None
+        await tracked
+        assert [a.node_id for a in c.drain_backup_acks()] == ["tracked"]
+        assert c.drain_backup_acks() == []
+        with pytest.raises(InvalidInputError):
+            c.write_storage(host, tokens, track=1)  # type: ignore[arg-type]
+
+
+async def test_a_cache_leaves_no_backup_to_drain(tmp_path: Path) -> None:
+    cfg = TierCacheConfig(
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=4,
+        page_size=PS,
+        device_tokens=8 * PS,
+        host_tokens=16 * PS,
+        model="drain",
+    )
+    async with TierCache(cfg) as cache:
+        await cache.attach_storage(f"file://{tmp_path}")
+        for k in range(4):
+            toks = [k + 1] * (2 * PS) + [0]
+            async with cache.request(toks) as r:
+                slots = await r.alloc(len(toks) - r.cached_tokens)
+                await r.commit(toks, torch.cat([r.prefix_indices, slots]))
+        await cache.wait_idle()
+        assert cache.stats().storage_backups == 4
+        assert cache.controller.drain_backup_acks() == []

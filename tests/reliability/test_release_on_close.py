@@ -14,11 +14,14 @@ import gc
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tiercache import DeviceKVPool, HostKVPool, KVLayout, TierCache, TierCacheConfig, TierController
+from tiercache.storage.faults import FaultKind, FaultPlan, FaultSpec, FaultyBackend
+from tiercache.storage.memory import MemoryBackend
 
 
 @pytest.fixture
@@ -33,8 +36,8 @@ def no_gc() -> Iterator[None]:
             gc.enable()
 
 
-def config() -> TierCacheConfig:
-    return TierCacheConfig(
+def config(**kw: Any) -> TierCacheConfig:
+    base: dict[str, Any] = dict(
         num_layers=2,
         num_kv_heads=2,
         head_dim=8,
@@ -43,6 +46,7 @@ def config() -> TierCacheConfig:
         host_tokens=512,
         model="release",
     )
+    return TierCacheConfig(**{**base, **kw})
 
 
 async def serve(cache: TierCache, tokens: list[int]) -> None:
@@ -65,17 +69,22 @@ async def use(cache: TierCache) -> None:
     await cache.wait_idle()
 
 
-@pytest.mark.parametrize("storage", [None, "memory", "file"])
+@pytest.mark.parametrize("storage", [None, "memory", "file", "failing", "detached on failure"])
 async def test_a_closed_cache_frees_its_pools_without_the_collector(
     no_gc: None, storage: str | None, tmp_path: Path
 ) -> None:
-    cache = TierCache(config())
+    """Every storage call failing too: the failures an operation keeps hold no frame of the tier."""
+    policy = "auto_detach" if storage == "detached on failure" else "auto_reconnect"
+    cache = TierCache(config(storage_fault_policy=policy, storage_fault_threshold=1))
     async with cache:
         pools = [weakref.ref(cache.device_pool), weakref.ref(cache.host_pool)]
         if storage == "memory":
             await cache.attach_storage("memory://")
         elif storage == "file":
             await cache.attach_storage(f"file://{tmp_path}")
+        elif storage is not None:
+            every_call = FaultSpec(FaultKind.ERROR, ops={"exists", "get", "set"}, probability=1.0)
+            await cache.attach_storage(FaultyBackend(MemoryBackend(), FaultPlan.of(every_call)))
         await use(cache)
     assert all(p() is not None for p in pools)
     del cache
