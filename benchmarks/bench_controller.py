@@ -320,8 +320,8 @@ async def _calls(label: str, total_bytes: int, rounds: int) -> dict[str, float]:
         return out
 
     async with TierController(device, host, track_acks=False, auto_start_writes=False) as c:
-        for _ in range(rounds + 1):  # the first round warms the pools up, untimed
-            if _ == 1:
+        for r in range(rounds + 1):  # the first round warms the pools up, untimed
+            if r == 1:
                 times.clear()
             dev = c.device_allocator.alloc(n)
             assert dev is not None

@@ -1100,18 +1100,16 @@ class TierCache(AsyncResource):
         """
         while True:
             cached = self.index.match_prefix(toks, extra_key, touch=False).device_indices
-            pending = [
-                p
-                for p in self._pending_loads.values()
-                if bool(torch.isin(p.device_indices, cached).any())
-                or bool(torch.isin(p.device_indices, dev).any())
-            ]
+            pending = []
+            for p in self._pending_loads.values():
+                mine = bool(torch.isin(p.device_indices, dev).any())
+                if mine or bool(torch.isin(p.device_indices, cached).any()):
+                    pending.append((p.handle, mine))
             if not pending:
                 return cached
-            for p in pending:
-                mine = bool(torch.isin(p.device_indices, dev).any())
+            for handle, mine in pending:
                 try:
-                    await p.handle
+                    await handle
                 except Exception as e:
                     if mine:
                         raise StateError(

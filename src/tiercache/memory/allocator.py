@@ -17,8 +17,8 @@ __all__ = ["PageAllocator", "check_slot_indices"]
 #: Up to this many slots, `check_slot_indices` checks them as Python ints.
 _SMALL = 256
 
-#: Up to this many pages, a free looks for a page listed twice with a set.
-_SMALL_FREE = 64
+#: Up to this many pages, a page listed twice is looked for with a set.
+_FEW_PAGES = 64
 
 
 def check_slot_indices(
@@ -211,8 +211,8 @@ class PageAllocator:
         ones allocated before, less one per page listed (a scan of one byte a
         page, where sorting or hashing the list costs a millisecond at 16k).
         """
-        if pages.size <= _SMALL_FREE:
-            return len(set(pages.tolist())) != pages.size
+        if pages.size <= _FEW_PAGES:
+            return self.has_repeats(pages)
         used_before = self.num_pages - self._free.size - self._num_released
         return int(np.count_nonzero(self._allocated)) != used_before - pages.size
 
@@ -221,7 +221,7 @@ class PageAllocator:
 
         O(pages) plus one byte a pool page: no sort, no hash of the list.
         """
-        if pages.size <= _SMALL_FREE:
+        if pages.size <= _FEW_PAGES:
             return len(set(pages.tolist())) != pages.size
         seen = np.zeros(self.num_pages, dtype=np.bool_)
         seen[pages] = True
