@@ -30,20 +30,6 @@ class CopyFault(RuntimeError):
     pass
 
 
-@pytest.fixture(scope="module")
-def cycles_per_ms() -> float:
-    """Spin-kernel cycles per millisecond on this GPU."""
-    torch.cuda.init()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)  # warm up
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return 10_000_000 / max(start.elapsed_time(end), 1e-3)
-
-
 @pytest.fixture(autouse=True)
 def _sync() -> Iterator[None]:
     yield

@@ -62,6 +62,14 @@ def _fill_device(pool: DeviceKVPool) -> None:
             buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
 
 
+def _engine(stacked: bool, host_layout: str) -> tuple[DeviceKVPool, HostKVPool, CopyEngine]:
+    """A filled device pool, an empty host pool of ``host_layout`` and the engine between them."""
+    device = _device(stacked)
+    _fill_device(device)
+    host = HostKVPool(LAYOUT, SLOTS, host_layout=host_layout)
+    return device, host, CopyEngine(device, host)
+
+
 def _expect(pool: DeviceKVPool, dev: torch.Tensor) -> list[list[torch.Tensor]]:
     return [
         [pool.buffers[b][layer][dev].clone() for layer in range(LAYOUT.num_layers)]
@@ -91,10 +99,7 @@ def test_backup_then_load_moves_every_byte(
     pattern: str, host_layout: str, stacked: bool, bound: int
 ) -> None:
     host_pages, dev_pages = PATTERNS[pattern]
-    device = _device(stacked)
-    _fill_device(device)
-    host = HostKVPool(LAYOUT, SLOTS, host_layout=host_layout)
-    engine = CopyEngine(device, host)
+    device, host, engine = _engine(stacked, host_layout)
     h, d = _slots(host_pages), _slots(dev_pages)
     want = _expect(device, d)
     plan = engine.plan(h, d)
@@ -124,10 +129,7 @@ def test_scattered_pages_on_a_cpu_pool_copy_as_integer_rows(
 ) -> None:
     """One-page runs are copied as int64 rows: under torch's parallel grain, no fork per page."""
     monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
-    device = _device(True)
-    _fill_device(device)
-    host = HostKVPool(LAYOUT, SLOTS, host_layout="page_first")
-    engine = CopyEngine(device, host)
+    device, host, engine = _engine(True, "page_first")
     host_pages, dev_pages = PATTERNS["both scattered"]
     plan = engine.plan(_slots(host_pages), _slots(dev_pages))
     assert plan.runs is not None and plan.device_runs is None
@@ -166,10 +168,7 @@ def test_no_gather_temporary_exceeds_the_bound(
         return out
 
     monkeypatch.setattr(torch.Tensor, "index_select", index_select)
-    device = _device(True)
-    _fill_device(device)
-    host = HostKVPool(LAYOUT, SLOTS, host_layout=host_layout)
-    engine = CopyEngine(device, host)
+    device, host, engine = _engine(True, host_layout)
     pages = list(range(0, 60, 2))  # 30 one-page runs: the whole transfer is 15x the bound
     h, d = _slots(pages), _slots(pages[::-1])
     plan = engine.plan(h, d)
@@ -204,10 +203,7 @@ def test_the_gpu_backup_branches_move_every_byte(
     limit = LAYOUT.page_size * LAYOUT.token_layer_bytes
     monkeypatch.setattr(engine_module, "MAX_TEMP_BYTES", limit)
     host_pages, dev_pages = PATTERNS[pattern]
-    device = _device(stacked)
-    _fill_device(device)
-    host = HostKVPool(LAYOUT, SLOTS, host_layout=host_layout)
-    engine = CopyEngine(device, host)
+    device, host, engine = _engine(stacked, host_layout)
     h, d = _slots(host_pages), _slots(dev_pages)
     plan = engine.plan(h, d)
     engine.device = torch.device("cuda")  # only the branch choice reads it in a backup
@@ -227,10 +223,7 @@ def test_a_scattered_cpu_load_copies_in_chunks_of_at_most_the_bound(
     chunk = 3 * LAYOUT.token_layer_bytes  # pages of 4 tokens: pieces of 3 and 1
     monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", chunk)
     monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
-    device = _device(stacked)
-    _fill_device(device)
-    host = HostKVPool(LAYOUT, SLOTS, host_layout=host_layout)
-    engine = CopyEngine(device, host)
+    device, host, engine = _engine(stacked, host_layout)
     host_pages, dev_pages = PATTERNS["both scattered"]
     h, d = _slots(host_pages), _slots(dev_pages)
     want = _expect(device, d)
@@ -292,10 +285,7 @@ def test_a_load_gathers_short_scattered_runs_through_the_staging_buffers(
     limit = 2 * LAYOUT.page_size * LAYOUT.token_layer_bytes  # two pages of one layer a span
     monkeypatch.setattr(engine_module, "MAX_TEMP_BYTES", limit)
     monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 1 << 30)  # force the index path
-    device = _device(True)
-    _fill_device(device)
-    host = HostKVPool(LAYOUT, SLOTS, host_layout=host_layout)
-    engine = CopyEngine(device, host)
+    device, host, engine = _engine(True, host_layout)
     host_pages, dev_pages = PATTERNS["both scattered"]
     h, d = _slots(host_pages), _slots(dev_pages)
     plan = engine.plan(h, d)
@@ -332,10 +322,7 @@ def test_a_large_cpu_copy_is_shared_with_the_helper_thread(
     monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
     monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", LAYOUT.token_layer_bytes)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    device = _device(True)
-    _fill_device(device)
-    host = HostKVPool(LAYOUT, SLOTS, host_layout=host_layout)
-    engine = CopyEngine(device, host)
+    device, host, engine = _engine(True, host_layout)
     host_pages, dev_pages = PATTERNS["both scattered"]
     h, d = _slots(host_pages), _slots(dev_pages)
     want = _expect(device, d)
