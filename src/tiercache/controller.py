@@ -39,7 +39,7 @@ from tiercache.errors import (
     InvalidInputError,
     StateError,
 )
-from tiercache.memory.allocator import PageAllocator, check_slot_indices
+from tiercache.memory.allocator import PageAllocator, check_slot_pages
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
 from tiercache.storage.base import StorageBackend
 from tiercache.storage.keys import StorageNamespace
@@ -270,6 +270,10 @@ class _Operation:
     ready: torch.cuda.Event | None = None
     #: Loads: write jobs still filling some of the host slots it reads.
     after: list[_WriteJob] | None = None
+
+
+#: Page ids of a pool, one per page of some slots, in order.
+_Pages = np.ndarray[Any, np.dtype[np.int64]]
 
 
 @dataclass(slots=True, eq=False)
@@ -713,27 +717,20 @@ class TierController(AsyncResource):
     def _new_op(
         self,
         kind: Literal["write", "load"],
-        host: torch.Tensor,
-        dev: torch.Tensor,
+        host: tuple[torch.Tensor, _Pages],
+        dev: tuple[torch.Tensor, _Pages],
         priority: int,
         node_id: int | None,
         track: bool,
     ) -> _Operation:
+        """A new operation on ``host`` and ``dev`` (CPU slots, and their page ids)."""
         loop = self._loop
         assert loop is not None  # the submitting verb checked the controller is open
         if priority.__class__ is not int:
             priority = check_int(priority, "priority")
         nid = next(self._ids) if node_id is None else node_id
-        ack = CopyAck(kind, nid, host, dev, loop.create_future())
-        op = _Operation(
-            host,
-            dev,
-            priority,
-            ack,
-            track,
-            self._busy_host.pages(host),
-            self._busy_device.pages(dev.cpu()),
-        )
+        ack = CopyAck(kind, nid, host[0], dev[0], loop.create_future())
+        op = _Operation(host[0], dev[0], priority, ack, track, host[1], dev[1])
         self._mark_busy(op, +1)
         return op
 
@@ -821,20 +818,20 @@ class TierController(AsyncResource):
             ClosedError / StateError: not open.
         """
         self._check_open()
-        dev = check_slot_indices(
+        dev = check_slot_pages(
             device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
         )
-        if not self.device_allocator.is_allocated(dev, checked=True):
+        if not self.device_allocator.pages_allocated(dev[1]):
             raise InvalidInputError("device_indices include slots that are not allocated")
         ready_ev = self.ready_event(ready, "submit_write")
-        host = self.host_allocator.alloc(dev.numel())
+        host = self.host_allocator.alloc_pages(dev[0].numel())
         if host is None:
             self.stats.host_full += 1
             return None
         try:
             op = self._new_op("write", host, dev, priority, node_id, track)
         except BaseException:
-            self.host_allocator.free(host)
+            self.host_allocator.free_pages(host[1])
             raise
         op.ready = ready_ev
         self._writing_host.add(op.host_pages, +1)
@@ -941,20 +938,20 @@ class TierController(AsyncResource):
             ClosedError / StateError: not open.
         """
         self._check_open()
-        host = check_slot_indices(
+        host = check_slot_pages(
             host_indices, self.layout.page_size, self.host_pool.num_slots, "host_indices"
         )
-        if not self.host_allocator.is_allocated(host, checked=True):
+        if not self.host_allocator.pages_allocated(host[1]):
             raise InvalidInputError("host_indices include slots that are not allocated")
         ready_ev = self.ready_event(ready, "submit_load")
-        dev = self.device_allocator.alloc(host.numel())
+        dev = self.device_allocator.alloc_pages(host[0].numel())
         if dev is None:
             self.stats.device_full += 1
             return None
         try:
             op = self._new_op("load", host, dev, priority, node_id, track)
         except BaseException:
-            self.device_allocator.free(dev)
+            self.device_allocator.free_pages(dev[1])
             raise
         op.ready = ready_ev
         if self._writing_host.any(op.host_pages):
@@ -1268,8 +1265,7 @@ class TierController(AsyncResource):
             busy, num_slots = self._busy_device, self.device_pool.num_slots
         else:
             busy, num_slots = self._busy_host, self.host_pool.num_slots
-        slots = check_slot_indices(indices, self.layout.page_size, num_slots, "indices")
-        return busy.any(busy.pages(slots))
+        return busy.any(check_slot_pages(indices, self.layout.page_size, num_slots, "indices")[1])
 
     def free_device(self, device_indices: torch.Tensor, *, ready: Ready = None) -> int:
         """Free device slots (their host copies, if any, stay). Returns slots freed.
@@ -1284,13 +1280,13 @@ class TierController(AsyncResource):
             InvalidInputError / DoubleFreeError: bad or unallocated slots, bad ``ready``.
         """
         self._check_open()
-        dev = check_slot_indices(
+        dev, pages = check_slot_pages(
             device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
         )
-        if self._busy_device.any(self._busy_device.pages(dev)):
+        if self._busy_device.any(pages):
             raise StateError("device slots with a copy in flight cannot be freed; await its ack")
         self.fence_device_reads(ready)
-        self.device_allocator.free(dev, checked=True)
+        self.device_allocator.free_pages(pages)
         self._notify_settled()
         return int(dev.numel())
 
@@ -1318,12 +1314,12 @@ class TierController(AsyncResource):
             InvalidInputError / DoubleFreeError: bad or unallocated slots.
         """
         self._check_open()
-        host = check_slot_indices(
+        host, pages = check_slot_pages(
             host_indices, self.layout.page_size, self.host_pool.num_slots, "host_indices"
         )
-        if self._busy_host.any(self._busy_host.pages(host)):
+        if self._busy_host.any(pages):
             raise StateError("host slots with a copy in flight cannot be freed; await its ack")
-        self.host_allocator.free(host, checked=True)
+        self.host_allocator.free_pages(pages)
         self._notify_settled()
         return int(host.numel())
 

@@ -4,6 +4,7 @@ import torch
 
 from tiercache import PageAllocator
 from tiercache.errors import DoubleFreeError, InvalidInputError
+from tiercache.memory.allocator import check_slot_indices
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -135,3 +136,94 @@ def test_has_repeats_finds_a_page_named_twice_at_any_size(n: int) -> None:
     assert not a.has_repeats(pages)
     if n > 1:
         assert a.has_repeats(np.concatenate([pages, pages[n // 2 : n // 2 + 1]]))
+
+
+def _reference_verdict(slots: list[int], page_size: int, num_slots: int) -> str:
+    """What a plain reading of the contract says of ``slots``: ok, range or aligned."""
+    if min(slots) < 0 or max(slots) >= num_slots:
+        return "range"
+    for start in range(0, len(slots), page_size):
+        first = slots[start]
+        if first % page_size or slots[start : start + page_size] != list(
+            range(first, first + page_size)
+        ):
+            return "aligned"
+    return "ok"
+
+
+def _verdict(slots: list[int], page_size: int, num_slots: int) -> str:
+    try:
+        check_slot_indices(torch.tensor(slots, dtype=torch.int64), page_size, num_slots)
+    except InvalidInputError as e:
+        return "range" if "out of range" in str(e) else "aligned"
+    return "ok"
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 4, 16])
+@pytest.mark.parametrize("num_pages", [4, 70, 1500])
+def test_slot_checks_agree_with_the_contract_for_every_kind_of_defect(
+    page_size: int, num_pages: int
+) -> None:
+    """Few slots are checked as ints, many vectorised: both give the contract's verdict.
+
+    Each case takes valid slots of scattered pages and plants one defect: a
+    slot moved inside its page, a page shifted off its boundary, two slots
+    swapped, a page past the end or below zero, a slot past the end in the
+    middle of a page. The verdict, and the error's kind, must match a plain
+    reading of the contract, wherever in the list the defect sits.
+    """
+    rng = np.random.default_rng(page_size * 10_000 + num_pages)
+    pool_pages = 4 * num_pages
+    num_slots = pool_pages * page_size
+    for case in range(60):
+        pages = rng.permutation(pool_pages)[:num_pages]
+        slots = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1).tolist()
+        where = int(rng.integers(len(slots)))
+        page_at = where - where % page_size
+        kind = case % 6
+        if kind == 0:
+            slots[where] += int(rng.choice([-1, 1, page_size, -page_size]))
+        elif kind == 1:
+            shift = int(rng.integers(1, page_size)) if page_size > 1 else 0
+            slots[page_at : page_at + page_size] = [
+                s + shift for s in slots[page_at : page_at + page_size]
+            ]
+        elif kind == 2 and page_size > 1:
+            j = page_at + (where - page_at + 1) % page_size
+            slots[where], slots[j] = slots[j], slots[where]
+        elif kind == 3:
+            slots[page_at : page_at + page_size] = range(num_slots, num_slots + page_size)
+        elif kind == 4:
+            slots[page_at : page_at + page_size] = range(-page_size, 0)
+        elif kind == 5:
+            slots[where] = num_slots + where
+        assert _verdict(slots, page_size, num_slots) == _reference_verdict(
+            slots, page_size, num_slots
+        ), (case, kind, where)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_many_scattered_pages_come_back_as_runs_after_a_merge(page_size: int) -> None:
+    """Large allocations (past the tile of steps) and merges of freed pages stay exact."""
+    num_pages = 10_000
+    a = PageAllocator(num_pages * page_size, page_size)
+    everything = a.alloc(num_pages * page_size)
+    assert everything is not None
+    odd = everything.view(num_pages, page_size)[1::2].reshape(-1)
+    a.free(odd)
+    got = a.alloc(len(odd))  # merges the released pages back, sorted
+    assert got is not None
+    assert torch.equal(got, odd)
+    assert a.alloc(page_size) is None
+    check_slot_indices(got, page_size, num_pages * page_size)
+
+
+def test_pages_to_slots_keeps_any_order_of_pages() -> None:
+    """Page ids in any order (not the free list's) map to their slots in that order."""
+    a = PageAllocator(1024 * 4, 4)
+    rng = np.random.default_rng(7)
+    for n in (3, 65, 200):
+        start = int(rng.integers(0, 1024 - n))
+        pages = torch.from_numpy(start + rng.permutation(n))  # spans n ids, not sorted
+        slots = a.pages_to_slots(pages)
+        assert torch.equal(slots.view(-1, 4), pages[:, None] * 4 + torch.arange(4))
