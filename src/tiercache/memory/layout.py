@@ -74,7 +74,8 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of one element of ``dtype``."""
+        return self.dtype.itemsize
 
     @property
     def token_layer_bytes(self) -> int:
