@@ -324,6 +324,17 @@ class _BusyPages:
         return any(counts[p] for p in pages.tolist())
 
 
+#: `TierController.backup` and `load_back` of at least this many slots yield to
+#: the loop once before their synchronous part (checks and bookkeeping, which
+#: read every slot: about a millisecond at 256k slots), so that it never runs
+#: in one loop step with whatever the caller did before the call.
+_YIELD_SLOTS = 1 << 16
+
+
+def _is_large(indices: object) -> bool:
+    return isinstance(indices, torch.Tensor) and indices.numel() >= _YIELD_SLOTS
+
+
 def _unique_events(
     events: Any,
 ) -> list[torch.cuda.Event]:
@@ -1201,7 +1212,15 @@ class TierController(AsyncResource):
 
         Cancelling the caller does not stop the copy; its host slots are freed
         when it finishes, so nothing leaks. A failed copy frees them and raises.
+
+        With 65,536 slots or more, the call yields to the loop once before it
+        queues the copy (the checks read every slot), so that this work and
+        the caller's own before the call never stall the loop together.
+        ``ready`` is still resolved when called.
         """
+        if _is_large(device_indices):
+            ready = self.ready_event(ready, "backup")  # ordered after what came before the call
+            await asyncio.sleep(0)
         ack = self.submit_write(device_indices, priority, track=False, ready=ready)
         if ack is None:
             return None
@@ -1223,8 +1242,11 @@ class TierController(AsyncResource):
             The device slots (the caller owns them), or ``None`` when device memory is full.
 
         Cancel-safe like `backup`: the device slots of an abandoned load are
-        freed once its copy finishes.
+        freed once its copy finishes. Large loads yield once first, as in `backup`.
         """
+        if _is_large(host_indices):
+            ready = self.ready_event(ready, "load_back")
+            await asyncio.sleep(0)
         ack = self.submit_load(host_indices, priority, track=False, ready=ready)
         if ack is None:
             return None

@@ -574,3 +574,39 @@ async def test_layer_futures_say_the_same_whenever_they_are_first_watched(watch:
         await handle.layer(1)
         with pytest.raises(RuntimeError):
             await handle.layer(3)
+
+
+@pytest.mark.parametrize("verb", ["backup", "load_back"])
+@pytest.mark.parametrize("pages", [1, 4096])
+async def test_a_large_transfer_yields_before_its_checks_and_a_small_one_does_not(
+    verb: str, pages: int
+) -> None:
+    """backup / load_back of 64k slots or more let the loop run once before the
+    O(slots) checks, so they never share a loop step with the caller's work;
+    a one-page operation keeps its single step and the bytes are right either way."""
+    ps = 16
+    n = pages * ps
+    async with make(layers=1, heads=1, dim=4, page_size=ps, device_slots=2 * n, host_slots=n) as c:
+        src, host = await backed_up(c, n) if verb == "load_back" else (None, None)
+        dev = c.device_allocator.alloc(n) if verb == "backup" else None
+        ran: list[bool] = []
+        submit = c.submit_write if verb == "backup" else c.submit_load
+        checked_after: list[bool] = []
+
+        def spy(*args: object, **kw: object) -> object:
+            checked_after.append(bool(ran))
+            return submit(*args, **kw)  # type: ignore[arg-type]
+
+        setattr(c, "submit_write" if verb == "backup" else "submit_load", spy)
+        asyncio.get_running_loop().call_soon(ran.append, True)
+        if verb == "backup":
+            assert dev is not None
+            out = await c.backup(dev)
+            assert out is not None
+            assert torch.equal(c.host_pool.layer(0, 0)[out], c.device_pool.buffers[0][0][dev])
+        else:
+            assert host is not None and src is not None
+            out = await c.load_back(host)
+            assert out is not None
+            assert all(torch.equal(a, b) for a, b in zip(kv_at(c, out), kv_at(c, src), strict=True))
+        assert checked_after == [pages * ps >= 1 << 16]
