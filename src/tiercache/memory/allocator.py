@@ -318,13 +318,14 @@ class PageAllocator:
         list), so when it spans as many ids as it holds, it is one run.
         """
         size = self.page_size
+        if increasing and pages.size:
+            first, last = int(pages[0]), int(pages[-1])
+            if last - first == pages.size - 1:
+                return torch.arange(first * size, (last + 1) * size, dtype=torch.int64)
         if size == 1:
             return torch.from_numpy(pages.copy())
         if pages.size <= _FEW_PAGES:
             return torch.from_numpy((pages[:, None] * size + _steps(size)).reshape(-1))
-        first, last = int(pages[0]), int(pages[-1])
-        if increasing and last - first == pages.size - 1:
-            return torch.arange(first * size, (last + 1) * size, dtype=torch.int64)
         # Many pages: a broadcast add over rows of page_size runs a short inner
         # loop per page; repeating the starts and adding the steps in long
         # flat chunks is twice as fast.
