@@ -227,3 +227,24 @@ def test_pages_to_slots_keeps_any_order_of_pages() -> None:
         pages = torch.from_numpy(start + rng.permutation(n))  # spans n ids, not sorted
         slots = a.pages_to_slots(pages)
         assert torch.equal(slots.view(-1, 4), pages[:, None] * 4 + torch.arange(4))
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_slot_checks_find_a_defect_on_either_side_of_a_chunk_boundary(page_size: int) -> None:
+    """Long slot lists are checked in chunks of whole pages: a defect right at a
+    chunk's edge, or in the last partial chunk, is found like any other."""
+    from tiercache.memory import allocator
+
+    chunk = allocator._RUN_CHUNK - allocator._RUN_CHUNK % page_size
+    num_pages = (2 * chunk) // page_size + 7  # two whole chunks and a partial one
+    num_slots = 2 * num_pages * page_size
+    pages = np.random.default_rng(page_size).permutation(2 * num_pages)[:num_pages]
+    good = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)
+    check_slot_indices(torch.from_numpy(good.copy()), page_size, num_slots)
+    for where in (chunk - 1, chunk, chunk + 1, 2 * chunk - 1, 2 * chunk, good.size - 1):
+        for delta in (1, -1):
+            bad = good.copy()
+            bad[where] += delta
+            verdict = _reference_verdict(bad.tolist(), page_size, num_slots)
+            assert verdict != "ok" or page_size == 1
+            assert _verdict(bad.tolist(), page_size, num_slots) == verdict, (where, delta)
