@@ -43,12 +43,36 @@ def test_device_pool_buffers_mha_and_mla() -> None:
         _ = mla.k_buffer
 
 
+@pytest.mark.parametrize("mla", [False, True])
+def test_a_cpu_device_pool_holds_every_buffer_in_one_joint_tensor(mla: bool) -> None:
+    lay = KVLayout(3, 1 if mla else 2, 8, torch.float16, 16, mla=mla)
+    pool = DeviceKVPool(lay, 64)
+    assert pool.joint is not None and pool.stacked is not None
+    assert pool.joint.shape == (lay.num_buffers, 3, 64, lay.num_kv_heads, 8)
+    assert pool.joint.is_contiguous() and len(pool.stacked) == lay.num_buffers
+    for b in range(lay.num_buffers):
+        assert pool.stacked[b].shape == (3, 64, lay.num_kv_heads, 8)
+        for x in range(3):
+            # The per-layer buffers are views of it: writes to one show in the other.
+            assert pool.buffers[b][x].data_ptr() == pool.joint[b, x].data_ptr()
+            assert pool.buffers[b][x].is_contiguous()
+    pool.buffers[-1][2][5].fill_(3)
+    assert torch.equal(pool.joint[-1, 2, 5], torch.full((lay.num_kv_heads, 8), 3.0).half())
+    assert int(pool.joint.count_nonzero()) == lay.num_kv_heads * 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_device_pool_has_no_joint_tensor() -> None:
+    pool = DeviceKVPool(KVLayout(2, 2, 8, torch.float16, 16), 32, "cuda")
+    assert pool.joint is None and pool.stacked is not None
+
+
 def test_device_pool_wraps_engine_tensors() -> None:
     lay = KVLayout(2, 2, 8, torch.float32, 16)
     ks = [torch.zeros(32, 2, 8) for _ in range(2)]
     vs = [torch.zeros(32, 2, 8) for _ in range(2)]
     pool = DeviceKVPool(lay, 32, k_buffers=ks, v_buffers=vs)
-    assert pool.k_buffer[1] is ks[1] and pool.stacked is None
+    assert pool.k_buffer[1] is ks[1] and pool.stacked is None and pool.joint is None
     with pytest.raises(InvalidInputError):
         DeviceKVPool(lay, 32, k_buffers=ks, v_buffers=[torch.zeros(32, 2, 4)] * 2)
     with pytest.raises(InvalidInputError):

@@ -136,6 +136,9 @@ class DeviceKVPool:
     ``buffers[b][l]`` addresses both uniformly (``b`` = 0 for K / latent, 1 for V).
     A pool it allocates itself also exposes ``stacked[b]``, the ``(L, slots, H, D)``
     tensor the per-layer buffers are views of (``None`` for wrapped buffers).
+    On the CPU, ``stacked`` are in turn views of ``joint``, one ``(B, L, slots,
+    H, D)`` tensor, so that a copy can take a page of K and V at once
+    (``None`` on CUDA and for wrapped buffers).
 
     Args:
         layout: the model's KV layout.
@@ -177,13 +180,24 @@ class DeviceKVPool:
                 raise InvalidInputError("wrap both k_buffers and v_buffers")
             self.buffers = [self._check_wrapped(list(g or []), shape) for g in given]
             self.stacked: list[torch.Tensor] | None = None
+            self.joint: torch.Tensor | None = None
         else:
             # One (L, slots, H, D) tensor per K/V: every layer is a view of it, so
             # a backup of all layers is one strided copy per page run, not L copies.
-            self.stacked = [
-                torch.zeros((layout.num_layers, *shape), dtype=layout.dtype, device=self.device)
-                for _ in range(layout.num_buffers)
-            ]
+            stacked = (layout.num_layers, *shape)
+            if self.device.type == "cpu":
+                # K and V in one tensor too: the CPU copy engine moves a page of
+                # both with one copy (half the copies, half the views to make).
+                self.joint = torch.zeros(
+                    (layout.num_buffers, *stacked), dtype=layout.dtype, device=self.device
+                )
+                self.stacked = list(self.joint.unbind(0))
+            else:
+                self.joint = None
+                self.stacked = [
+                    torch.zeros(stacked, dtype=layout.dtype, device=self.device)
+                    for _ in range(layout.num_buffers)
+                ]
             self.buffers = [list(t.unbind(0)) for t in self.stacked]
 
     def _check_wrapped(
