@@ -1,11 +1,12 @@
 """CopyEngine copies: every path moves the right bytes, and no temporary outgrows the bound.
 
-The paths: contiguous runs, scattered pages (a load copies them as serial
-integer-row chunks of at most 128 KiB, shared with a helper thread when
-large), scattered host pages into a fresh device run (page gather), many
-short runs (index gather/scatter, through the pinned staging buffers on
-CUDA); for backup and load, ``layer_first`` and ``page_first`` host pools,
-stacked and caller-owned device buffers.
+The paths: contiguous runs, scattered pages (a load copies them as
+integer-row chunks of at most 256 KiB, K and V together on a joint CPU pool,
+one ``np.copyto`` a chunk, in batches shared with a helper thread when large),
+scattered host pages into a fresh device run (page gather), many short runs
+(index gather/scatter, through the pinned staging buffers on CUDA); for
+backup and load, ``layer_first`` and ``page_first`` host pools, stacked
+(joint) and caller-owned device buffers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,13 +83,14 @@ def _expect(pool: DeviceKVPool, dev: torch.Tensor) -> list[list[torch.Tensor]]:
 def bound(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
     """Either the real bounds, or ones so small that every transfer is cut into pieces.
 
-    The CPU copy chunk then holds 3 tokens: chunks end inside pages (page 4)
-    and, in a ``page_first`` backup, hold one token of every layer.
+    The CPU copy chunk then holds 3 tokens (of K and V, on a joint pool; of
+    one buffer otherwise) or fewer: chunks end inside pages (page 4) and, in a
+    ``page_first`` backup, hold one token of every layer.
     """
     if request.param:
         limit = LAYOUT.page_size * LAYOUT.token_layer_bytes  # one page of one layer
         monkeypatch.setattr(engine_module, "MAX_TEMP_BYTES", limit)
-        monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", 3 * LAYOUT.token_layer_bytes)
+        monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", 3 * 2 * LAYOUT.token_layer_bytes)
         return limit
     return MAX_TEMP_BYTES
 
@@ -124,31 +127,51 @@ def test_backup_then_load_moves_every_byte(
             assert not device.buffers[b][layer][outside].any()
 
 
-def test_scattered_pages_on_a_cpu_pool_copy_as_integer_rows(
-    monkeypatch: pytest.MonkeyPatch,
+class _CopyLog:
+    """Wraps ``np.copyto``: what each chunk copy wrote, and on which thread."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, delay: float = 0.0) -> None:
+        self.calls: list[tuple[str, np.ndarray]] = []
+        self.delay = delay
+        self.real = np.copyto
+        monkeypatch.setattr(np, "copyto", self)
+
+    def __call__(self, dst: np.ndarray, src: np.ndarray) -> None:
+        self.calls.append((threading.current_thread().name, dst))
+        if self.delay:
+            time.sleep(self.delay)  # long enough for the helper to start before the caller is done
+        self.real(dst, src)
+
+    @property
+    def copies(self) -> list[np.ndarray]:
+        return [d for _, d in self.calls]
+
+    @property
+    def threads(self) -> set[str]:
+        return {name for name, _ in self.calls}
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+def test_scattered_pages_on_a_cpu_pool_copy_as_integer_rows_k_and_v_at_once(
+    host_layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One-page runs are copied as int64 rows: under torch's parallel grain, no fork per page."""
+    """One copy a page of a layer, K and V together (a joint pool), of int64 rows."""
     monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
-    device, host, engine = _engine(True, "page_first")
+    device, host, engine = _engine(True, host_layout)
+    assert device.joint is not None
     host_pages, dev_pages = PATTERNS["both scattered"]
     plan = engine.plan(_slots(host_pages), _slots(dev_pages))
-    assert plan.runs is not None and plan.device_runs is None
+    assert plan.runs is not None and plan.device_runs is None and plan.chunks is not None
     want = _expect(device, _slots(dev_pages))
     engine.backup_all_layers(plan)
-    dtypes: list[torch.dtype] = []
-    real = torch.Tensor.copy_
-
-    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-        dtypes.append(self.dtype)
-        return real(self, src, non_blocking)
-
-    device.buffers[0][1].zero_()
-    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    device.joint.zero_()
+    log = _CopyLog(monkeypatch)
     engine.load_layer(1, plan)
-    monkeypatch.setattr(torch.Tensor, "copy_", real)
-    assert torch.equal(device.buffers[0][1][_slots(dev_pages)], want[0][1])
-    assert len(dtypes) == 2 * len(host_pages)  # K and V, one copy a page
-    assert set(dtypes) == {torch.int64}
+    got = _expect(device, _slots(dev_pages))
+    assert all(torch.equal(got[b][1], want[b][1]) for b in range(2))
+    assert log.threads == {threading.current_thread().name}  # small: no helper
+    assert len(log.copies) == len(host_pages)  # one copy a page: K and V at once
+    assert {(c.dtype, c.shape) for c in log.copies} == {(np.dtype(np.int64), (PS, 2, 4))}
 
 
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
@@ -215,12 +238,13 @@ def test_the_gpu_backup_branches_move_every_byte(
 
 
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "caller-buffers"])
+@pytest.mark.parametrize("stacked", [True, False], ids=["joint", "caller-buffers"])
 def test_a_scattered_cpu_load_copies_in_chunks_of_at_most_the_bound(
     host_layout: str, stacked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each piece stays under torch's parallel grain: one thread, the GIL released briefly."""
-    chunk = 3 * LAYOUT.token_layer_bytes  # pages of 4 tokens: pieces of 3 and 1
+    """Each piece holds at most `_CPU_CHUNK_BYTES`, K and V together on a joint pool."""
+    buffers = 2 if stacked else 1  # a joint pool copies K and V in one piece
+    chunk = 3 * buffers * LAYOUT.token_layer_bytes  # pages of 4 tokens: pieces of 3 and 1
     monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", chunk)
     monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
     device, host, engine = _engine(stacked, host_layout)
@@ -230,25 +254,17 @@ def test_a_scattered_cpu_load_copies_in_chunks_of_at_most_the_bound(
     plan = engine.plan(h, d)
     assert plan.chunks is not None and plan.device_runs is None
     engine.backup_all_layers(plan)
-    sizes: list[int] = []
-    real = torch.Tensor.copy_
-
-    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-        sizes.append(self.nbytes)
-        return real(self, src, non_blocking)
-
     for layer in range(LAYOUT.num_layers):
         device.buffers[0][layer].zero_()
         device.buffers[1][layer].zero_()
-    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    log = _CopyLog(monkeypatch)
     for layer in range(LAYOUT.num_layers):
         engine.load_layer(layer, plan)
-    monkeypatch.setattr(torch.Tensor, "copy_", real)
     got = _expect(device, d)
     assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
-    assert max(sizes) <= chunk
+    assert max(c.nbytes for c in log.copies) == chunk
     pieces = 2 * len(host_pages)  # 3 + 1 tokens a page
-    assert len(sizes) == pieces * LAYOUT.num_buffers * LAYOUT.num_layers
+    assert len(log.copies) == pieces * (2 // buffers) * LAYOUT.num_layers
 
 
 def test_pinned_staging_buffers_take_turns_and_grow_to_the_largest_span() -> None:
@@ -317,10 +333,10 @@ def test_a_load_gathers_short_scattered_runs_through_the_staging_buffers(
 def test_a_large_cpu_copy_is_shared_with_the_helper_thread(
     host_layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From `_PARALLEL_MIN_BYTES` on, the stream's helper takes chunks: every byte lands once."""
+    """From `_PARALLEL_MIN_BYTES` on, the stream's helper takes batches: every chunk copied once."""
     monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
-    monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", LAYOUT.token_layer_bytes)
+    monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", 2 * LAYOUT.token_layer_bytes)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     device, host, engine = _engine(True, host_layout)
     host_pages, dev_pages = PATTERNS["both scattered"]
@@ -328,32 +344,40 @@ def test_a_large_cpu_copy_is_shared_with_the_helper_thread(
     want = _expect(device, d)
     plan = engine.plan(h, d)
     assert plan.chunks is not None
+    engine.backup_all_layers(plan)
+    log = _CopyLog(monkeypatch, delay=0.0005)
     threads: set[str] = set()
-    real = torch.Tensor.copy_
-
-    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-        threads.add(threading.current_thread().name)
-        time.sleep(0.0005)  # long enough for the helper to start before the caller is done
-        return real(self, src, non_blocking)
 
     def job() -> None:
         threads.add(threading.current_thread().name)
-        engine.backup_all_layers(plan)
         for layer in range(LAYOUT.num_layers):
             device.buffers[0][layer].zero_()
             device.buffers[1][layer].zero_()
             engine.load_layer(layer, plan)
 
-    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
     stream = CopyStream("chunks", torch.device("cpu"))
     try:
         stream.submit(job).result(timeout=30)
     finally:
         stream.close()
-    monkeypatch.setattr(torch.Tensor, "copy_", real)
     got = _expect(device, d)
     assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
-    assert threads == {"tiercache-chunks_0", "tiercache-chunks-helper_0"}
+    assert threads == {"tiercache-chunks_0"}
+    assert log.threads == {"tiercache-chunks_0", "tiercache-chunks-helper_0"}
+    # Every chunk once: one token of K and V a copy.
+    assert len(log.copies) == len(h) * LAYOUT.num_layers
+
+
+def test_batches_shrink_towards_the_end_and_cover_every_unit() -> None:
+    bounds = engine_module._batch_bounds(100)
+    assert bounds[0] == (0, engine_module._MAX_BATCH_UNITS)
+    assert [lo for lo, _ in bounds[1:]] == [hi for _, hi in bounds[:-1]]  # no gap, no overlap
+    assert bounds[-1][1] == 100
+    sizes = [hi - lo for lo, hi in bounds]
+    assert sizes == sorted(sizes, reverse=True)
+    assert sizes[-1] <= engine_module._MIN_BATCH_UNITS
+    assert engine_module._batch_bounds(0) == []
+    assert engine_module._batch_bounds(1) == [(0, 1)]
 
 
 def test_a_failing_chunk_is_raised_after_the_helper_has_stopped(
@@ -361,36 +385,35 @@ def test_a_failing_chunk_is_raised_after_the_helper_has_stopped(
 ) -> None:
     monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    dst, src = torch.zeros(64, 4), torch.ones(64, 4)
+    dst, src = np.zeros((64, 4)), np.ones((64, 4))
     chunks = tuple((i, i, 1) for i in range(64))
     running = [0]
-    real = torch.Tensor.copy_
+    real = np.copyto
 
-    def copy_(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    def copyto(dst: np.ndarray, src: np.ndarray) -> None:
         running[0] += 1
         try:
             time.sleep(0.001)
             if threading.current_thread().name.startswith("tiercache-fault-helper"):
                 raise RuntimeError("copy fault")
-            return real(self, other, non_blocking)
+            real(dst, src)
         finally:
             running[0] -= 1
 
     def job() -> None:
         try:
-            engine_module._copy_chunks([(dst, src)], chunks, False, 1 << 30, copy_helper())
+            engine_module._copy_chunks([(dst, src)], chunks, 1 << 30, copy_helper())
         finally:
             left.append(running[0])
 
     left: list[int] = []
-    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    monkeypatch.setattr(np, "copyto", copyto)
     stream = CopyStream("fault", torch.device("cpu"))
     try:
         with pytest.raises(RuntimeError, match="copy fault"):
             stream.submit(job).result(timeout=30)
     finally:
         stream.close()
-    monkeypatch.setattr(torch.Tensor, "copy_", real)
     assert left == [0]  # nothing still copying when the error reached the job
 
 
@@ -398,7 +421,7 @@ def test_outside_a_copy_stream_the_engine_shares_with_its_own_helper_until_close
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", LAYOUT.token_layer_bytes)
+    monkeypatch.setattr(engine_module, "_CPU_CHUNK_BYTES", 2 * LAYOUT.token_layer_bytes)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # one run per page
     device = _device(True)
@@ -413,22 +436,13 @@ def test_outside_a_copy_stream_the_engine_shares_with_its_own_helper_until_close
     for layer in range(LAYOUT.num_layers):
         device.buffers[0][layer].zero_()
         device.buffers[1][layer].zero_()
-    threads: set[str] = set()
-    real = torch.Tensor.copy_
-
-    def copy_(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-        threads.add(threading.current_thread().name)
-        time.sleep(0.0005)
-        return real(self, other, non_blocking)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    log = _CopyLog(monkeypatch, delay=0.0005)
     try:
         for layer in range(LAYOUT.num_layers):
             engine.load_layer(layer, plan)
     finally:
-        monkeypatch.setattr(torch.Tensor, "copy_", real)
         engine.close()
-    assert threads == {threading.current_thread().name, "tiercache-engine-helper_0"}
+    assert log.threads == {threading.current_thread().name, "tiercache-engine-helper_0"}
     alive = [t.name for t in threading.enumerate() if t.name.startswith("tiercache-engine")]
     assert not alive  # close stopped it
     got = _expect(device, d)

@@ -9,17 +9,20 @@ pool a backup to the host goes layer by layer, where both sides are
 contiguous and no temporary is needed at all.
 
 **Runs on a CPU device pool** are copied as the widest integer rows they
-allow. A few runs (a fresh allocation, a contiguous backup) take one
-``copy_`` each, which torch spreads over its threads as it does a memcpy.
-The many one-page runs of a load scattered on both sides are cut into chunks
-of at most `_CPU_CHUNK_BYTES` (128 KiB) per layer and buffer, each one
-``copy_`` under torch's parallel grain (no OpenMP fork and join per page),
-handed out one at a time to the copying thread and one helper thread when
-the layer holds 4 MiB or more (`_PARALLEL_MIN_BYTES`) and torch may use two
-threads: the copy stream's helper inside a stream's job, else the engine's
-own, until `CopyEngine.close`. A load of scattered host pages into a few
-device runs (what a fresh allocation gives) gathers whole pages into each
-run with one ``index_select`` instead.
+allow, K and V together where the pool is `DeviceKVPool.joint` (what a CPU
+pool allocates): one copy moves a slice of tokens of both. A few runs (a
+fresh allocation, a contiguous backup) take one ``copy_`` each, which torch
+spreads over its threads as it does a memcpy. The many one-page runs of a
+load scattered on both sides are cut into chunks of at most
+`_CPU_CHUNK_BYTES` (256 KiB) a layer, each one ``np.copyto`` between numpy
+views of the pools: cheap views, the GIL let go while the bytes move, and
+no OpenMP fork and join per page. When the layer holds 4 MiB or more
+(`_PARALLEL_MIN_BYTES`) and torch may use two threads, the copying thread
+and one helper thread take batches of chunks in turn (the copy stream's
+helper inside a stream's job, else the engine's own, until
+`CopyEngine.close`). A load of scattered host pages into
+a few device runs (what a fresh allocation gives) gathers whole pages into
+each run with one ``index_select`` instead.
 
 **Scattered rows on CUDA** (runs too short to copy one by one) are gathered
 on the host into a reused page-locked `PinnedStaging` buffer, so the upload
@@ -29,10 +32,12 @@ that follows is queued asynchronously instead of blocking the copy worker.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from tiercache.errors import InvalidInputError
@@ -51,62 +56,85 @@ MAX_TEMP_BYTES = 64 << 20
 #: Runs win while each run's copy is long compared with a call's overhead.
 _RUN_BREAK_EVEN_BYTES = 32 * 1024
 
-#: On a CPU device pool, the most bytes one ``copy_`` of a scattered load
-#: moves. As int64 rows that is 16,384 elements, under torch's parallel grain
-#: (32,768): every call runs serially on its thread, with no OpenMP fork and
-#: join, and releases the GIL for tens of microseconds at a time.
-_CPU_CHUNK_BYTES = 128 * 1024
+#: On a CPU device pool, the most bytes one copy of a scattered load moves (a
+#: page of K and V at once where the pool is `DeviceKVPool.joint`): the unit
+#: the copying thread and its helper share.
+_CPU_CHUNK_BYTES = 256 * 1024
 
 #: A CPU copy of at least this many bytes is shared with a helper thread (when
-#: torch may use two threads or more): the chunks are handed out one at a
-#: time to whichever thread is free, as OpenMP would split one large copy.
-#: Below it, the copy stays on the calling thread: no handoff, and nothing to
-#: wait for on an event loop that runs a small copy inline.
+#: torch may use two threads or more): batches of chunks are handed out one
+#: at a time to whichever thread is free, as OpenMP would split one large
+#: copy. Below it, the copy stays on the calling thread: no handoff, and
+#: nothing to wait for on an event loop that runs a small copy inline.
 _PARALLEL_MIN_BYTES = 4 << 20
 
 
 Chunk = tuple[int, int, int]
 
 
+#: The numpy view of one side of a CPU copy (token rows of integers).
+Rows = np.ndarray[Any, np.dtype[Any]]
+
+
 def _copy_chunks(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    pairs: list[tuple[Rows, Rows]],
     chunks: tuple[Chunk, ...],
-    to_host: bool,
     nbytes: int,
     pool: concurrent.futures.ThreadPoolExecutor | None = None,
 ) -> None:
-    """For every ``(dst, src)`` of ``pairs`` and ``(h0, d0, n)`` of ``chunks``, one ``copy_``.
+    """``dst[d0:d0+n] <- src[h0:h0+n]`` for every ``(dst, src)`` of ``pairs`` and ``(h0, d0, n)`` of ``chunks``.
 
-    ``to_host``: ``dst[h0:h0+n] <- src[d0:d0+n]``; else ``dst[d0:d0+n] <-
-    src[h0:h0+n]``. From `_PARALLEL_MIN_BYTES` on (``nbytes``), the helper
-    thread of ``pool`` takes chunks too. Returns once every chunk is copied,
-    the helper's included; if a copy fails, raises its error once the helper
-    has let go of the copy.
+    Each chunk is one ``np.copyto`` between numpy views: a numpy view costs a
+    fraction of a torch one, the copy lets go of the GIL, and numpy never
+    forks OpenMP threads (which, started from two copy streams' threads at
+    once, wake up slowly). From `_PARALLEL_MIN_BYTES` on (``nbytes``), the
+    helper thread of ``pool`` takes batches of chunks too, one batch at a
+    time. Returns once every chunk is copied, the helper's included; if a
+    copy fails, raises its error once the helper has let go of the copy.
     """
-    work = itertools.product(pairs, chunks)  # next() is atomic: both threads share it
-
-    def run() -> None:
-        for (dst, src), (h0, d0, n) in work:
-            if to_host:
-                dst[h0 : h0 + n].copy_(src[d0 : d0 + n])
-            else:
-                dst[d0 : d0 + n].copy_(src[h0 : h0 + n])
-
+    units = len(pairs) * len(chunks)
     if pool is None or nbytes < _PARALLEL_MIN_BYTES or torch.get_num_threads() < 2:
-        run()
+        _copy_batches(pairs, chunks, iter(((0, units),)))
         return
-    inference = torch.is_inference_mode_enabled()
-
-    def helper() -> None:
-        with torch.inference_mode(inference):  # the views were made in the caller's mode
-            run()
-
-    job = pool.submit(helper)
+    batches = iter(_batch_bounds(units))  # next() is atomic: both threads share it
+    job = pool.submit(_copy_batches, pairs, chunks, batches)
     try:
-        run()
+        _copy_batches(pairs, chunks, batches)
     finally:
-        if not job.cancel():  # it started: the chunk it holds lands first
+        if not job.cancel():  # it started: the batch it holds lands first
             job.result()
+
+
+#: Chunks a thread takes at once when a copy is shared: at most 8 (2 MiB of
+#: 256 KiB chunks), fewer towards the end so that neither thread waits long
+#: for the other's last batch.
+_MAX_BATCH_UNITS = 8
+_MIN_BATCH_UNITS = 2
+
+
+def _batch_bounds(units: int) -> list[tuple[int, int]]:
+    """``[0, units)`` in ``(lo, hi)`` batches, each at most a quarter of what is left."""
+    bounds: list[tuple[int, int]] = []
+    lo = 0
+    while lo < units:
+        size = min(_MAX_BATCH_UNITS, max(_MIN_BATCH_UNITS, (units - lo) // 4))
+        bounds.append((lo, min(units, lo + size)))
+        lo += size
+    return bounds
+
+
+def _copy_batches(
+    pairs: list[tuple[Rows, Rows]],
+    chunks: tuple[Chunk, ...],
+    batches: Iterator[tuple[int, int]],
+) -> None:
+    """Copy the chunks of each ``(lo, hi)`` batch (numbered pair-major) that ``batches`` yields."""
+    per_pair = len(chunks)
+    for lo, hi in batches:
+        for u in range(lo, hi):
+            dst, src = pairs[u // per_pair]
+            h0, d0, n = chunks[u % per_pair]
+            np.copyto(dst[d0 : d0 + n], src[h0 : h0 + n])
 
 
 #: A load whose device side is at most this many contiguous runs gathers whole
@@ -238,8 +266,8 @@ class TransferPlan:
     host_pages: torch.Tensor | None = None
     #: On a CPU device pool, when there are more than `_MAX_GATHER_RUNS`
     #: runs: ``runs`` cut into ``(host_start, device_start, length)`` pieces
-    #: of at most `_CPU_CHUNK_BYTES` per layer and buffer, each copied by a
-    #: load with one serial ``copy_``.
+    #: of at most `_CPU_CHUNK_BYTES` a layer (K and V together on a joint
+    #: pool), each copied by a load with one ``np.copyto``.
     chunks: tuple[tuple[int, int, int], ...] | None = None
 
     @property
@@ -283,6 +311,8 @@ class CopyEngine:
         )
         self._helper: concurrent.futures.ThreadPoolExecutor | None = None
         self._helper_lock = threading.Lock()
+        self._rows_cache: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._arrays_cache: list[list[tuple[Rows, Rows]]] | None = None
 
     def _helper_pool(self, nbytes: int) -> concurrent.futures.ThreadPoolExecutor | None:
         """The thread that shares a CPU copy of ``nbytes``, or ``None`` to copy alone.
@@ -301,6 +331,55 @@ class CopyEngine:
                     max_workers=1, thread_name_prefix="tiercache-engine-helper"
                 )
             return self._helper
+
+    def _layer_rows(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per layer, the ``(device, host)`` integer-row views a CPU load copies between.
+
+        With a joint device pool, one pair of ``(slots, B, row)`` views: a
+        slice of tokens holds their K and V. Otherwise one pair of ``(slots,
+        row)`` views a buffer. Made once, under inference mode, and used only
+        under it (or as numpy arrays: `_layer_arrays`).
+        """
+        rows = self._rows_cache
+        if rows is None:
+            joint, host = self.device_pool.joint, self.host_pool
+            B, S = self.layout.num_buffers, host.num_slots
+            with torch.inference_mode():
+                if joint is not None:
+                    dev_slots = joint.shape[2]
+                    rows = [
+                        [
+                            (
+                                _int_view(joint[:, x].view(B, dev_slots, -1)).transpose(0, 1),
+                                _int_view(
+                                    (
+                                        host.buffer[:, x]
+                                        if host.host_layout == "layer_first"
+                                        else host.buffer[:, :, x]
+                                    ).view(B, S, -1)
+                                ).transpose(0, 1),
+                            )
+                        ]
+                        for x in range(self.layout.num_layers)
+                    ]
+                else:
+                    rows = [
+                        [
+                            (_rows(self.device_pool.buffers[b][x]), _rows(host.layer(b, x)))
+                            for b in range(B)
+                        ]
+                        for x in range(self.layout.num_layers)
+                    ]
+            self._rows_cache = rows
+        return rows
+
+    def _layer_arrays(self) -> list[list[tuple[Rows, Rows]]]:
+        """`_layer_rows` as numpy arrays (sharing the pools' memory), for `_copy_chunks`."""
+        arrays = self._arrays_cache
+        if arrays is None:
+            arrays = [[(d.numpy(), s.numpy()) for d, s in pairs] for pairs in self._layer_rows()]
+            self._arrays_cache = arrays
+        return arrays
 
     def close(self) -> None:
         """Stop the engine's own helper thread, if it started one. Idempotent.
@@ -348,9 +427,17 @@ class CopyEngine:
             if device_runs is not None:
                 host_pages = host[::ps] // ps
         if self.device.type == "cpu" and runs is not None and len(runs) > _MAX_GATHER_RUNS:
-            per_chunk = max(1, _CPU_CHUNK_BYTES // self.layout.token_layer_bytes)
-            chunks = _chunk_runs(runs, per_chunk)
+            chunks = _chunk_runs(runs, self._chunk_tokens())
         return TransferPlan(host, dev_on_device, runs, n, device_runs, host_pages, chunks)
+
+    def _chunk_tokens(self) -> int:
+        """Tokens one copy of a scattered CPU load moves (a chunk of `TransferPlan.chunks`).
+
+        At most `_CPU_CHUNK_BYTES`, counting every buffer where the device
+        pool is joint.
+        """
+        buffers = self.layout.num_buffers if self.device_pool.joint is not None else 1
+        return max(1, _CPU_CHUNK_BYTES // (buffers * self.layout.token_layer_bytes))
 
     def _device_runs(self, dev: torch.Tensor) -> tuple[tuple[int, int, int], ...] | None:
         """Contiguous runs of the device side alone, or ``None`` when there are many."""
@@ -396,6 +483,10 @@ class CopyEngine:
         """Copy every layer of ``plan``'s device slots into its host slots."""
         if plan.empty:
             return
+        joint = self.device_pool.joint
+        if joint is not None and plan.runs is not None:
+            self._backup_runs_joint(joint, plan.runs)
+            return
         stacked = self.device_pool.stacked
         for b in range(self.layout.num_buffers):
             if stacked is None:
@@ -430,6 +521,26 @@ class CopyEngine:
                     src = src.transpose(0, 1)
                 dst.copy_(src, non_blocking=nb)
 
+    def _backup_runs_joint(
+        self, joint: torch.Tensor, runs: tuple[tuple[int, int, int], ...]
+    ) -> None:
+        """Runs of every layer and buffer at once from a (CPU) joint ``(B, L, S, H, D)`` pool.
+
+        One copy a run of integer rows (K and V together), which torch spreads
+        over its threads; no temporary on a CPU.
+        """
+        host = self.host_pool
+        B, L = self.layout.num_buffers, self.layout.num_layers
+        with torch.inference_mode():
+            src_all = _int_view(joint.view(B, L, joint.shape[2], -1))
+            dst_all = _int_view(host.buffer.view(*host.buffer.shape[:3], -1))
+            for h0, d0, n in runs:
+                src = src_all[:, :, d0 : d0 + n]
+                if host.host_layout == "layer_first":
+                    dst_all[:, :, h0 : h0 + n].copy_(src)
+                else:
+                    dst_all[:, h0 : h0 + n].copy_(src.transpose(1, 2))
+
     def _backup_gather(self, b: int, src_all: torch.Tensor, plan: TransferPlan) -> None:
         """Scattered slots of every layer, gathered on the device in bounded chunks."""
         host = self.host_pool
@@ -458,13 +569,17 @@ class CopyEngine:
         """Copy layer ``layer`` of ``plan``'s host slots into its device slots."""
         if plan.empty:
             return
-        if plan.chunks is not None and plan.device_runs is None and self.device.type == "cpu":
-            pairs = [
-                (_rows(self.device_pool.buffers[b][layer]), _rows(self.host_pool.layer(b, layer)))
-                for b in range(self.layout.num_buffers)
-            ]
-            nbytes = plan.num_tokens * self.layout.num_buffers * self.layout.token_layer_bytes
-            _copy_chunks(pairs, plan.chunks, False, nbytes, self._helper_pool(nbytes))
+        if self.device.type == "cpu" and plan.device_runs is None and plan.runs is not None:
+            if plan.chunks is not None:
+                nbytes = plan.num_tokens * self.layout.num_buffers * self.layout.token_layer_bytes
+                arrays = self._layer_arrays()[layer]
+                _copy_chunks(arrays, plan.chunks, nbytes, self._helper_pool(nbytes))
+                return
+            # A few runs: each one copy, which torch spreads over its threads.
+            with torch.inference_mode():
+                for dst, src in self._layer_rows()[layer]:
+                    for s0, t0, n in plan.runs:
+                        dst[t0 : t0 + n].copy_(src[s0 : s0 + n])
             return
         for b in range(self.layout.num_buffers):
             src = self.host_pool.layer(b, layer)
