@@ -230,6 +230,11 @@ def test_the_gpu_backup_branches_move_every_byte(
     h, d = _slots(host_pages), _slots(dev_pages)
     plan = engine.plan(h, d)
     engine.device = torch.device("cuda")  # only the branch choice reads it in a backup
+
+    def cpu_only(*args: object) -> None:
+        raise AssertionError("the CPU joint-pool backup ran for a CUDA engine")
+
+    monkeypatch.setattr(engine, "_backup_runs_joint", cpu_only)
     want = _expect(device, d)
     engine.backup_all_layers(plan)
     for b in range(LAYOUT.num_buffers):

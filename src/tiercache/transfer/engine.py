@@ -484,7 +484,7 @@ class CopyEngine:
         if plan.empty:
             return
         joint = self.device_pool.joint
-        if joint is not None and plan.runs is not None:
+        if joint is not None and self.device.type == "cpu" and plan.runs is not None:
             self._backup_runs_joint(joint, plan.runs)
             return
         stacked = self.device_pool.stacked
