@@ -20,9 +20,9 @@ no OpenMP fork and join per page. When the layer holds 4 MiB or more
 (`_PARALLEL_MIN_BYTES`) and torch may use two threads, the copying thread
 and one helper thread take batches of chunks in turn (the copy stream's
 helper inside a stream's job, else the engine's own, until
-`CopyEngine.close`). A load of scattered host pages into
-a few device runs (what a fresh allocation gives) gathers whole pages into
-each run with one ``index_select`` instead.
+`CopyEngine.close`). A load of scattered host pages into a few device runs
+(what a fresh allocation gives) gathers whole pages into each run with one
+``index_select`` instead.
 
 **Scattered rows on CUDA** (runs too short to copy one by one) are gathered
 on the host into a reused page-locked `PinnedStaging` buffer, so the upload
