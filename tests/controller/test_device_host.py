@@ -516,10 +516,21 @@ async def test_a_load_nobody_watches_layer_by_layer_wakes_the_loop_once(
     """The copy thread wakes the loop per layer only while someone may watch the layers."""
     async with make(layers=12, inline_copy_bytes=0) as c:
         src, host = await backed_up(c, 64)
-        wakes = _CountingWakes(asyncio.get_running_loop(), monkeypatch)
+        loop = asyncio.get_running_loop()
+        wakes = _CountingWakes(loop, monkeypatch)
+        made = 0
+        create_future = loop.create_future
+
+        def counted_future() -> asyncio.Future[object]:
+            nonlocal made
+            made += 1
+            return create_future()
+
+        monkeypatch.setattr(loop, "create_future", counted_future)
         dst = await c.load_back(host)  # awaits the whole load, no layer
         assert dst is not None
         assert wakes.count == 1  # the job's settle; none of the 12 layers woke it
+        assert made < 12  # and no future a layer was made: nobody asked for one
         assert all(torch.equal(a, b) for a, b in zip(kv_at(c, dst), kv_at(c, src), strict=True))
         # Watched: each layer resolves its future as it lands (several may
         # share one wake-up, but the count grows).
