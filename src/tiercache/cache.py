@@ -62,7 +62,7 @@ from tiercache.config import PREFETCH_POLICIES, TierCacheConfig
 from tiercache.controller import CopyAck, LoadHandle, Ready, TierController
 from tiercache.errors import CapacityError, ClosedError, InvalidInputError, StateError
 from tiercache.index.radix import MatchResult, Node, RadixIndex
-from tiercache.memory.allocator import PageAllocator, check_slot_indices
+from tiercache.memory.allocator import PageAllocator, check_slot_indices, page_ids
 from tiercache.memory.pools import DeviceKVPool, HostKVPool, resolve_device
 from tiercache.storage.base import StorageBackend
 from tiercache.storage_tier import BackupOperation, PrefetchOperation
@@ -655,9 +655,10 @@ class TierCache(AsyncResource):
         dev = check_slot_indices(
             indices, self.layout.page_size, ctl.device_pool.num_slots, "indices"
         )
-        if bool(self._index_pages[self._pages(dev)].any()):
+        pages = self._pages(dev)
+        if bool(self._index_pages[pages].any()):
             raise InvalidInputError("free_device: some of these slots hold cached KV of the index")
-        if bool(self._request_pages[self._pages(dev)].any()):
+        if bool(self._request_pages[pages].any()):
             raise InvalidInputError(
                 "free_device: some of these slots belong to an open request (it frees them)"
             )
@@ -666,8 +667,7 @@ class TierCache(AsyncResource):
 
     def _pages(self, dev: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Page ids of page-aligned CPU slot indices."""
-        arr: np.ndarray[Any, np.dtype[np.int64]] = dev.numpy()[:: self.layout.page_size]
-        return arr // self.layout.page_size
+        return page_ids(dev, self.layout.page_size)
 
     def _set_index_pages(self, dev: torch.Tensor, held: bool) -> None:
         if dev.numel():
@@ -1046,17 +1046,18 @@ class TierCache(AsyncResource):
         fresh = torch.cat([mine[~same].reshape(-1), dev[k:]])
         if not fresh.numel():
             return same
-        if not ctl.device_allocator.is_allocated(fresh, checked=True):
+        pages = self._pages(fresh)
+        if not ctl.device_allocator.pages_allocated(pages):
             raise InvalidInputError(
                 "device_indices include slots that are not allocated (use alloc_device)"
             )
-        if bool(self._index_pages[self._pages(fresh)].any()):
+        if bool(self._index_pages[pages].any()):
             raise InvalidInputError(
                 "device_indices include slots that hold other cached KV of the index"
             )
-        held = self._request_pages[self._pages(fresh)]
+        held = self._request_pages[pages]
         if owner is not None and owner.numel():
-            held &= ~np.isin(self._pages(fresh), self._pages(owner))
+            held &= ~np.isin(pages, self._pages(owner))
         if bool(held.any()):
             raise InvalidInputError(
                 "device_indices include slots an open request owns (commit them through it)"

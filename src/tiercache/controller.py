@@ -39,7 +39,7 @@ from tiercache.errors import (
     InvalidInputError,
     StateError,
 )
-from tiercache.memory.allocator import PageAllocator, check_slot_pages
+from tiercache.memory.allocator import PageAllocator, check_slot_pages, page_ids
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
 from tiercache.storage.base import StorageBackend
 from tiercache.storage.keys import StorageNamespace
@@ -307,7 +307,7 @@ class _BusyPages:
 
     def pages(self, indices: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Page ids of page-aligned CPU slot indices."""
-        return indices.numpy()[:: self.page_size] // self.page_size
+        return page_ids(indices, self.page_size)
 
     def add(self, pages: np.ndarray[Any, np.dtype[np.int64]], delta: int) -> None:
         counts = self.counts

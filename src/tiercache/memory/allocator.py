@@ -12,7 +12,7 @@ import torch
 from tiercache._checks import check_count, check_positive
 from tiercache.errors import DoubleFreeError, InvalidInputError
 
-__all__ = ["PageAllocator", "check_slot_indices", "check_slot_pages"]
+__all__ = ["PageAllocator", "check_slot_indices", "check_slot_pages", "page_ids"]
 
 
 #: Up to this many slots, `check_slot_indices` checks them as Python ints.
@@ -60,8 +60,13 @@ def check_slot_pages(
         return cpu, np.empty(0, dtype=np.int64)
     if a.size <= _SMALL:  # a few pages: plain Python ints beat numpy's per-call cost
         _check_small_runs(a.tolist(), page_size, num_slots, what)
-        return cpu, a[::page_size] // page_size
+        return cpu, page_ids(cpu, page_size)
     return cpu, _check_runs(a, page_size, num_slots, what) // page_size
+
+
+def page_ids(slots: torch.Tensor, page_size: int) -> npt.NDArray[np.int64]:
+    """The page id of each page of ``slots`` (CPU slots already checked), in a new array."""
+    return slots.numpy()[::page_size] // page_size
 
 
 def _int64_vector(indices: object, page_size: int, what: str) -> torch.Tensor:
@@ -257,11 +262,9 @@ class PageAllocator:
             DoubleFreeError: some page is not allocated, or listed twice.
         """
         if checked:
-            assert isinstance(indices, torch.Tensor)
-            pages = indices.numpy()[:: self.page_size] // self.page_size
+            self.free_pages(page_ids(indices, self.page_size))
         else:
-            pages = check_slot_pages(indices, self.page_size, self.num_slots)[1]
-        self.free_pages(pages)
+            self.free_pages(check_slot_pages(indices, self.page_size, self.num_slots)[1])
 
     def free_pages(self, pages: npt.NDArray[np.int64]) -> None:
         """`free` by page ids of this pool (from `check_slot_pages` or `alloc_pages`).
@@ -308,7 +311,7 @@ class PageAllocator:
     def is_allocated(self, indices: torch.Tensor, *, checked: bool = False) -> bool:
         """Whether every page of ``indices`` is currently allocated (``checked``: as in `free`)."""
         if checked:
-            return self.pages_allocated(indices.numpy()[:: self.page_size] // self.page_size)
+            return self.pages_allocated(page_ids(indices, self.page_size))
         return self.pages_allocated(check_slot_pages(indices, self.page_size, self.num_slots)[1])
 
     def pages_allocated(self, pages: npt.NDArray[np.int64]) -> bool:
