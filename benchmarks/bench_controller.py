@@ -20,7 +20,8 @@ every layer), no slot allocation, no bookkeeping.
   thread hop at all. Target: the controller's ops/s at least 1.0x that.
 
 Both run in the same process and loop, in interleaved rounds (the order
-alternating every round); the figures are medians over the rounds.
+alternating every round); the figures are medians over the rounds, and a ratio
+is the median of the rounds' ratios.
 
 Part 2 — event-loop lag: a coroutine ticking every 1 ms records how late each
 tick wakes while 1 GiB (quick: 128 MiB) of 4 MiB pages moves
@@ -53,6 +54,7 @@ from benchmarks.common import (
     RESULTS_DIR,
     headline,
     machine_info,
+    paired_ratio,
     percentile,
     plot_bars,
     set_threads,
@@ -194,8 +196,9 @@ async def _measure_shape(label: str, n: dict[int, int], rounds: int) -> list[dic
     rows = []
     for kind in ("write", "load"):
         for conc in (1, CONCURRENCY):
-            floor = statistics.median(shape.times[("floor", kind, conc)])
-            ctl = statistics.median(shape.times[("controller", kind, conc)])
+            floors = shape.times[("floor", kind, conc)]
+            ctls = shape.times[("controller", kind, conc)]
+            floor, ctl = statistics.median(floors), statistics.median(ctls)
             rows.append(
                 {
                     "page": label,
@@ -209,7 +212,10 @@ async def _measure_shape(label: str, n: dict[int, int], rounds: int) -> list[dic
                     "floor_us_per_op": floor * 1e6,
                     # 1 in flight: cost per op / the floor's (<= 1.25);
                     # 8 in flight: ops/s / the floor's (>= 1.0).
-                    "ratio": ctl / floor if conc == 1 else floor / ctl,
+                    "ratio": paired_ratio(ctls, floors)
+                    if conc == 1
+                    else paired_ratio(floors, ctls),
+                    "ratio_of_medians": ctl / floor if conc == 1 else floor / ctl,
                     "rounds": rounds,
                 }
             )
@@ -447,7 +453,7 @@ def main(
         "mode": "smoke" if smoke else "quick" if quick else "full",
         "shapes": {label: layout.describe() for label, layout in SHAPES.items()},
         "rounds": rounds,
-        "statistic": "median over interleaved rounds (floor and controller alternate first)",
+        "statistic": "median over interleaved rounds (floor and controller alternate first); a ratio is the median of the rounds' ratios (`ratio_of_medians`: the ratio of the two medians)",
         "floor": (
             "the same CopyEngine copies done by the caller; at 1 in flight plus one executor "
             "round trip when the controller's copy leaves the loop; at 8 in flight one by one "

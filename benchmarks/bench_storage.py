@@ -27,8 +27,9 @@ store writes in turn (synced after each), then the stores take turns reading,
 ``READ_REPEATS`` (3) times, every read checked bit for bit; then all are
 cleared and synced. The order of the stores rotates each round. Reads come
 from the page cache: this measures each store's own cost, not the disk.
-Numbers are medians over all samples; a ratio is ``baseline seconds / file
-backend seconds`` of those medians (above 1: the file backend is faster).
+Numbers are medians over all samples; a ratio is the median of ``baseline
+seconds / file backend seconds`` over the samples, each paired with the one of
+the same round and repeat (above 1: the file backend is faster).
 
 The headline is 768 KiB pages (786,432 bytes: 24 layers, one 128-dim KV head,
 64 tokens, fp16), batches of 128 pages, one batch in flight, 512 MiB, 5
@@ -77,6 +78,7 @@ from benchmarks.common import (  # noqa: E402
     _save,
     headline,
     machine_info,
+    paired_ratio,
     plot_bars,
     print_table,
     write_result,
@@ -297,6 +299,10 @@ class Cell:
     def median(self, name: str) -> float:
         return statistics.median(self.times[name])
 
+    def ratio(self, baseline: str, measured: str) -> float:
+        """``baseline`` seconds / ``measured`` seconds, sample by sample (same round), median."""
+        return paired_ratio(self.times[baseline], self.times[measured])
+
     def _check(self, what: str) -> None:
         if not torch.equal(self.src.buffer.view(torch.uint8), self.dst.buffer.view(torch.uint8)):
             raise AssertionError(f"{what}: the pages read back differ from those written")
@@ -448,7 +454,7 @@ class Cell:
     def row(self, batch: int, conc: int) -> dict[str, Any]:
         tag = f"_b{batch}_c{conc}"
         gb = self.nbytes / 1e9
-        m = self.median
+        m, r = self.median, self.ratio
         row: dict[str, Any] = {
             "page": self.label,
             "page_bytes": self.layout.page_bytes,
@@ -462,17 +468,17 @@ class Cell:
             "plain_read_gbps": gb / m(f"plain_read{tag}"),
             "seq_write_gbps": gb / m("seq_write"),
             "seq_read_gbps": gb / m("seq_read"),
-            "write_vs_plain": m(f"plain_write{tag}") / m(f"tier_write{tag}"),
-            "read_vs_plain": m(f"plain_read{tag}") / m(f"tier_read{tag}"),
-            "write_vs_seq": m("seq_write") / m(f"tier_write{tag}"),
-            "read_vs_seq": m("seq_read") / m(f"tier_read{tag}"),
+            "write_vs_plain": r(f"plain_write{tag}", f"tier_write{tag}"),
+            "read_vs_plain": r(f"plain_read{tag}", f"tier_read{tag}"),
+            "write_vs_seq": r("seq_write", f"tier_write{tag}"),
+            "read_vs_seq": r("seq_read", f"tier_read{tag}"),
         }
         if f"sglang_write{tag}" in self.times:
             row.update(
                 sglang_write_gbps=gb / m(f"sglang_write{tag}"),
                 sglang_read_gbps=gb / m(f"sglang_read{tag}"),
-                write_vs_sglang=m(f"sglang_write{tag}") / m(f"tier_write{tag}"),
-                read_vs_sglang=m(f"sglang_read{tag}") / m(f"tier_read{tag}"),
+                write_vs_sglang=r(f"sglang_write{tag}", f"tier_write{tag}"),
+                read_vs_sglang=r(f"sglang_read{tag}", f"tier_read{tag}"),
             )
         return row
 
@@ -730,7 +736,7 @@ def main(
         "notes": (
             "page_first HostKVPool pages; medians of interleaved rounds; destination buffers "
             "faulted in beforehand; sync between phases, outside the timings; reads from the "
-            "page cache; ratio = baseline median seconds / file backend median seconds. "
+            "page cache; ratio = median over paired samples (same round) of baseline seconds / file backend seconds. "
             f"SGLang HiCacheFile: {head['sglang']}."
         ),
         "headline_cell": head,

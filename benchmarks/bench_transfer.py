@@ -10,7 +10,8 @@ contiguous page runs (what a fresh allocator hands out) and for scattered pages
 contiguous tensors, timed interleaved with it in the same run: the order of
 the two alternates every round (whatever runs second pays for what the first
 left behind: OpenMP workers still spinning, a cold cache), and each figure is
-the median of the rounds. The end-to-end controller path (``await
+the median of the rounds; each ratio is the median of the rounds' ratios, so a
+slow spell of the machine that lands on one round cancels out. The end-to-end controller path (``await
 controller.backup(...)``, ``await controller.load_back(...)``) is measured the
 same way at page size 64: that is what users get.
 
@@ -37,6 +38,7 @@ from benchmarks.common import (
     headline,
     linear_fit,
     machine_info,
+    paired_ratio,
     plot_bars,
     plot_lines,
     set_threads,
@@ -101,11 +103,11 @@ def _warm(host: HostKVPool) -> HostKVPool:
     return host
 
 
-def _median_interleaved(fns: list[Callable[[], object]], repeat: int) -> list[float]:
-    """Median seconds of each of ``fns``, run in turn ``repeat`` times after one warm-up round.
+def _interleaved(fns: list[Callable[[], object]], repeat: int) -> list[list[float]]:
+    """Seconds of each of ``fns`` in each of ``repeat`` rounds, after one warm-up round.
 
     The order alternates every round, so each function follows every other
-    one equally often.
+    one equally often; sample ``r`` of every list comes from round ``r``.
     """
     for fn in fns:
         fn()
@@ -116,7 +118,7 @@ def _median_interleaved(fns: list[Callable[[], object]], repeat: int) -> list[fl
             t0 = time.perf_counter()
             fns[i]()
             times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -154,8 +156,11 @@ def _engine_rows(
                         engine.load_layer(layer, plan)
 
                 base = memcpy.fn(nbytes)
-                t_base_b, t_backup = _median_interleaved([base, backup], repeat)
-                t_base_l, t_load = _median_interleaved([base, load], repeat)
+                r_base_b, r_backup = _interleaved([base, backup], repeat)
+                r_base_l, r_load = _interleaved([base, load], repeat)
+                t_base_b, t_backup, t_base_l, t_load = map(
+                    statistics.median, (r_base_b, r_backup, r_base_l, r_load)
+                )
                 rows.append(
                     {
                         "page_size": ps,
@@ -180,8 +185,10 @@ def _engine_rows(
                         "backup_gbps": _gbps(nbytes, t_backup),
                         "load_gbps": _gbps(nbytes, t_load),
                         "memcpy_gbps": _gbps(nbytes, min(t_base_b, t_base_l)),
-                        "backup_ratio": t_base_b / t_backup,
-                        "load_ratio": t_base_l / t_load,
+                        "backup_ratio": paired_ratio(r_base_b, r_backup),
+                        "load_ratio": paired_ratio(r_base_l, r_load),
+                        "backup_ratio_of_medians": t_base_b / t_backup,
+                        "load_ratio_of_medians": t_base_l / t_load,
                     }
                 )
             engine.close()  # its helper thread, started by the copies above
@@ -192,8 +199,8 @@ def _engine_rows(
 
 async def _timed_async(
     fns: list[Callable[[], Coroutine[Any, Any, float]]], repeat: int
-) -> list[float]:
-    """Like `_median_interleaved`, for coroutine functions that return their own timing."""
+) -> list[list[float]]:
+    """Like `_interleaved`, for coroutine functions that return their own timing."""
     for fn in fns:
         await fn()
     times: list[list[float]] = [[] for _ in fns]
@@ -201,7 +208,7 @@ async def _timed_async(
         order = list(range(len(fns)))
         for i in order if r % 2 == 0 else order[::-1]:
             times[i].append(await fns[i]())
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def _sync_timer(fn: Callable[[], object]) -> Callable[[], Coroutine[Any, Any, float]]:
@@ -264,8 +271,11 @@ async def _controller_rows(
             _warm(host)
             backup, load_back = _controller_ops(c, dev)
             base = _sync_timer(memcpy.fn(nbytes))
-            t_base_b, t_backup = await _timed_async([base, backup], repeat)
-            t_base_l, t_load = await _timed_async([base, load_back], repeat)
+            r_base_b, r_backup = await _timed_async([base, backup], repeat)
+            r_base_l, r_load = await _timed_async([base, load_back], repeat)
+            t_base_b, t_backup, t_base_l, t_load = map(
+                statistics.median, (r_base_b, r_backup, r_base_l, r_load)
+            )
         rows.append(
             {
                 "page_size": ps,
@@ -277,8 +287,10 @@ async def _controller_rows(
                 "backup_gbps": _gbps(nbytes, t_backup),
                 "load_back_gbps": _gbps(nbytes, t_load),
                 "memcpy_gbps": _gbps(nbytes, min(t_base_b, t_base_l)),
-                "backup_ratio": t_base_b / t_backup,
-                "load_back_ratio": t_base_l / t_load,
+                "backup_ratio": paired_ratio(r_base_b, r_backup),
+                "load_back_ratio": paired_ratio(r_base_l, r_load),
+                "backup_ratio_of_medians": t_base_b / t_backup,
+                "load_back_ratio_of_medians": t_base_l / t_load,
                 "cold_host_pool_backup_gbps": _gbps(nbytes, t_cold),
             }
         )
@@ -309,10 +321,11 @@ async def _scaling(spec: dict[str, int], memcpy: _Memcpy, repeat: int) -> dict[s
             dev = c.device_allocator.alloc(n)
             assert dev is not None
             c_backup, c_load = _controller_ops(c, dev)
-            t_mem, t_b, t_l = _median_interleaved(
-                [memcpy.fn(n * layout.token_bytes), backup, load], repeat
+            t_mem, t_b, t_l = map(
+                statistics.median,
+                _interleaved([memcpy.fn(n * layout.token_bytes), backup, load], repeat),
             )
-            t_cb, t_cl = await _timed_async([c_backup, c_load], repeat)
+            t_cb, t_cl = map(statistics.median, await _timed_async([c_backup, c_load], repeat))
             await c.reset()
             c.engine.close()  # the helper the direct engine copies above started
             points.append(
@@ -464,7 +477,7 @@ def main(
         "layout": _layout(spec, 64).describe().replace(":P64", ""),
         "bytes_per_measurement": num_tokens * layout64.token_bytes,
         "repeat": repeat,
-        "statistic": "median of `repeat` rounds after one warm-up; memcpy baseline interleaved with each measurement, the order alternating every round",
+        "statistic": "median of `repeat` rounds after one warm-up; memcpy baseline interleaved with each measurement, the order alternating every round; a ratio is the median of the rounds' ratios (`*_ratio_of_medians`: the ratio of the two medians)",
         "engine": engine_rows,
         "controller": controller_rows,
         "scaling": scaling,

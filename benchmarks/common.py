@@ -34,6 +34,7 @@ __all__ = [
     "headline",
     "linear_fit",
     "machine_info",
+    "paired_ratio",
     "percentile",
     "plot_bars",
     "plot_lines",
@@ -144,6 +145,19 @@ def best_of_interleaved(
             fn()
             best[i] = min(best[i], time.perf_counter() - t0)
     return best
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """The median of ``num[i] / den[i]``: a ratio of two series timed side by side, round by round.
+
+    Sample ``i`` of each series comes from the same round, so a slow spell of
+    the machine that lands on one round stretches both sides of that round's
+    ratio and cancels out, where a ratio of two medians taken apart keeps it.
+    Series of different lengths (not paired) fall back to the ratio of medians.
+    """
+    if len(num) != len(den) or not num:
+        return statistics.median(num) / statistics.median(den)
+    return statistics.median(n / d for n, d in zip(num, den, strict=True))
 
 
 def percentile(values: Sequence[float], q: float) -> float:

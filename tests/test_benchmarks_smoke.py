@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -235,3 +236,21 @@ def test_runner_reports_a_crash_and_a_missing_dependency_apart(
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [b["status"] for b in summary["benchmarks"]] == ["failed", "skipped"]
     assert "boom" in summary["benchmarks"][0]["error"]
+
+
+def test_a_paired_ratio_cancels_a_slow_round_that_a_ratio_of_medians_keeps() -> None:
+    from benchmarks.common import paired_ratio
+
+    # Both sides of round 1 and 2 ran on a machine twice as slow; the subject
+    # is 1.25x as fast as its baseline in every round.
+    baseline = [1.0, 2.0, 2.0]
+    subject = [0.8, 1.6, 1.6]
+    assert paired_ratio(baseline, subject) == pytest.approx(1.25)
+    # A slow spell on the subject's side only, in one round out of three.
+    subject = [0.8, 3.2, 1.6]
+    assert paired_ratio(baseline, subject) == pytest.approx(1.25)
+    # The ratio of medians pairs the baseline's slow round with a fast one.
+    assert statistics.median(baseline) / statistics.median([0.8, 1.6, 0.8]) != pytest.approx(1.25)
+    assert paired_ratio(baseline, [0.8, 1.6, 0.8]) == pytest.approx(1.25)
+    # Series of different lengths are not paired: the ratio of their medians.
+    assert paired_ratio([1.0, 3.0, 2.0], [1.0, 1.0]) == pytest.approx(2.0)
