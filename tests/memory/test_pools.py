@@ -81,6 +81,12 @@ def test_device_pool_wraps_engine_tensors() -> None:
         DeviceKVPool(lay, 32, k_buffers=ks)
 
 
+def test_a_device_pool_beyond_the_device_memory_is_a_capacity_error() -> None:
+    lay = KVLayout(2, 2, 8, torch.float32, 16)
+    with pytest.raises(CapacityError, match="device pool"):
+        DeviceKVPool(lay, 1 << 50)  # 128 PiB: more than any address space
+
+
 def test_host_pool_layouts_and_sizes() -> None:
     lay = KVLayout(2, 2, 4, torch.bfloat16, 16)
     lf = HostKVPool(lay, 64)

@@ -150,6 +150,7 @@ class DeviceKVPool:
 
     Raises:
         InvalidInputError: sizes, shapes, dtypes or devices that do not match.
+        CapacityError: the pool does not fit in the device's memory.
     """
 
     def __init__(
@@ -185,19 +186,25 @@ class DeviceKVPool:
             # One (L, slots, H, D) tensor per K/V: every layer is a view of it, so
             # a backup of all layers is one strided copy per page run, not L copies.
             stacked = (layout.num_layers, *shape)
-            if self.device.type == "cpu":
-                # K and V in one tensor too: the CPU copy engine moves a page of
-                # both with one copy (half the copies, half the views to make).
-                self.joint = torch.zeros(
-                    (layout.num_buffers, *stacked), dtype=layout.dtype, device=self.device
-                )
-                self.stacked = list(self.joint.unbind(0))
-            else:
-                self.joint = None
-                self.stacked = [
-                    torch.zeros(stacked, dtype=layout.dtype, device=self.device)
-                    for _ in range(layout.num_buffers)
-                ]
+            try:
+                if self.device.type == "cpu":
+                    # K and V in one tensor too: the CPU copy engine moves a page of
+                    # both with one copy (half the copies, half the views to make).
+                    self.joint = torch.zeros(
+                        (layout.num_buffers, *stacked), dtype=layout.dtype, device=self.device
+                    )
+                    self.stacked = list(self.joint.unbind(0))
+                else:
+                    self.joint = None
+                    self.stacked = [
+                        torch.zeros(stacked, dtype=layout.dtype, device=self.device)
+                        for _ in range(layout.num_buffers)
+                    ]
+            except (RuntimeError, MemoryError) as e:  # torch's out-of-memory is a RuntimeError
+                raise CapacityError(
+                    f"cannot allocate a device pool of {num_slots * layout.token_bytes / 2**30:.2f} GiB "
+                    f"on {self.device}: {e}"
+                ) from e
             self.buffers = [list(t.unbind(0)) for t in self.stacked]
 
     def _check_wrapped(
