@@ -43,6 +43,15 @@ def test_from_dict_rejects_unknown_keys() -> None:
         TierCacheConfig.from_dict([("page_size", 32)])  # type: ignore[arg-type]
 
 
+def test_replace_and_cache_overrides_reject_unknown_keys() -> None:
+    c = TierCacheConfig()
+    assert c.replace(page_size=32, device_tokens=64).page_size == 32
+    with pytest.raises(ConfigError, match="pagesize"):
+        c.replace(pagesize=32)
+    with pytest.raises(ConfigError, match="pagesize"):
+        TierCache(c, pagesize=32)
+
+
 def test_from_toml_table_or_whole_file(tmp_path: Path) -> None:
     p = tmp_path / "tc.toml"
     p.write_text(

@@ -272,6 +272,15 @@ class TierCacheConfig:
         return min(t, self.prefetch_timeout_max)
 
     def replace(self, **changes: Any) -> TierCacheConfig:
+        """A copy with ``changes`` applied, validated as a new configuration.
+
+        Raises:
+            ConfigError: an unknown field name (a typo never passes silently)
+                or a bad value.
+        """
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise ConfigError(f"unknown configuration keys: {unknown}")
         return dataclasses.replace(self, **changes)
 
     # -- constructors -----------------------------------------------------------
