@@ -71,3 +71,19 @@ def test_inspect_counts_pages_per_model(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_inspect_missing_dir(tmp_path: Path) -> None:
     assert main(["inspect", str(tmp_path / "nope")]) == 2
+
+
+def test_inspect_counts_what_is_no_page_file_as_damaged_without_blocking(tmp_path: Path) -> None:
+    import os
+
+    shard = tmp_path / "ab"
+    shard.mkdir()
+    (shard / "real.page").write_bytes(b"not a page either")
+    os.mkfifo(shard / "fifo.page")  # opened plainly, a fifo blocks until a writer comes
+    (shard / "dangling.page").symlink_to(tmp_path / "gone")
+    (shard / "outside.page").symlink_to(tmp_path / "ab" / "real.page")
+    info = inspect_store(tmp_path)
+    assert info["pages"] == 4
+    assert info["damaged"] == 4
+    assert info["bytes"] == len(b"not a page either")
+    assert main(["inspect", str(tmp_path)]) == 0

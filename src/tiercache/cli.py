@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -39,8 +40,11 @@ def find_benchmarks() -> Path | None:
 def inspect_store(root: Path) -> dict[str, object]:
     """Summarise a file store: pages, bytes, and a breakdown per key namespace and page format.
 
-    Only each ``*.page`` file's header is read. Files whose header does not
-    parse are counted as ``damaged``.
+    Only each ``*.page`` file's header is read, as the file backend reads
+    it: a link is never followed and a fifo never blocks. Files whose header
+    does not parse, and anything else under a page file's name (a link, a
+    fifo, a socket, a file that cannot be read), are counted as ``damaged``;
+    a file removed while the store is walked (a store in use) is skipped.
 
     Raises:
         FileNotFoundError: ``root`` is not a directory.
@@ -57,12 +61,15 @@ def inspect_store(root: Path) -> dict[str, object]:
         for name in files:
             if not name.endswith(".page") or name.startswith("."):
                 continue
-            path = Path(dirpath) / name
-            size = path.stat().st_size
+            try:
+                size, head = _read_head(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
             pages += 1
             total += size
-            with open(path, "rb") as f:
-                head = f.read(_HEADER_READ)
+            if head is None:
+                damaged += 1
+                continue
             try:
                 h = decode_header(head)
             except StorageCorruptionError:
@@ -82,6 +89,32 @@ def inspect_store(root: Path) -> dict[str, object]:
             for (ns, fmt), (n, b) in sorted(groups.items())
         ],
     }
+
+
+def _read_head(path: str) -> tuple[int, bytes | None]:
+    """A page file's size and its first `_HEADER_READ` bytes; ``None`` when it is no readable file.
+
+    Opened with ``O_NOFOLLOW | O_NONBLOCK``, as the file backend opens pages:
+    a link is never followed, and a fifo named like a page never blocks.
+
+    Raises:
+        FileNotFoundError: the file was removed meanwhile.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError:  # a link (ELOOP), no permission, ...
+        return 0, None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return 0, None
+        return st.st_size, os.pread(fd, _HEADER_READ, 0)
+    except OSError:
+        return 0, None
+    finally:
+        os.close(fd)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
