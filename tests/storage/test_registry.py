@@ -104,6 +104,12 @@ async def test_unknown_backends(url: str) -> None:
             await open_backend(url)
 
 
+@pytest.mark.parametrize("name", [5, None, b"memory"])
+def test_resolve_backend_refuses_a_name_that_is_not_a_str(name: object) -> None:
+    with pytest.raises(BackendNotFoundError, match="is a str"):
+        resolve_backend(name)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("scheme", ["redis", "rediss", "unix"])
 def test_redis_schemes_resolve_to_the_redis_backend(scheme: str) -> None:
     factory = resolve_backend(scheme)

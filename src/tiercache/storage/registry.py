@@ -207,6 +207,17 @@ def _import_object(spec: str, what: str) -> object:
     return obj
 
 
+def _canonical_name(name: object) -> str:
+    """``name`` with its alias resolved (``unix``, ``rediss``, ... are ``redis``).
+
+    Raises:
+        BackendNotFoundError: ``name`` is not a str.
+    """
+    if not isinstance(name, str):
+        raise BackendNotFoundError(f"a backend name is a str, got {type(name).__name__}")
+    return _ALIASES.get(name, name)
+
+
 def resolve_backend(name: str) -> BackendFactory:
     """The factory for a scheme name or a dotted path.
 
@@ -215,9 +226,10 @@ def resolve_backend(name: str) -> BackendFactory:
 
     Raises:
         BackendNotFoundError: nothing is registered, built in or published as
-            an entry point under ``name``, or its module cannot be imported.
+            an entry point under ``name`` (or ``name`` is not a str), or its
+            module cannot be imported.
     """
-    name = _ALIASES.get(name, name)
+    name = _canonical_name(name)
     if name in _registry:
         return _registry[name]
     if name.startswith("faulty+"):
