@@ -435,6 +435,8 @@ async def test_lifecycle(make_redis_backend: MakeRedisBackend) -> None:
         ("redis://localhost:6379?max_connections=x", {}),
         ("unix:///tmp/x.sock?cluster=1", {}),
         ("redis://localhost:notaport/0", {}),
+        ("redis://localhost:6379/abc", {}),
+        ("redis://localhost:6379/0/1", {}),
     ],
 )
 async def test_bad_configuration(url: str, options: dict[str, object]) -> None:

@@ -285,6 +285,12 @@ class RedisBackend(StorageBackend):
                 f"unsupported redis URL scheme {parts.scheme!r} in {self._url_display}; "
                 f"use one of {sorted(_SCHEMES)}"
             )
+        db = parts.path.strip("/")
+        if scheme != "unix" and db and not (db.isascii() and db.isdigit()):
+            # redis-py would silently use database 0 for such a path.
+            raise ConfigError(
+                f"the path of a redis URL is a database number, got {db!r} in {self._url_display}"
+            )
         ours, passed = _split_query(parts.query, self._url_display)
         if cluster is None:
             cluster = _SCHEMES[scheme] or option_bool("cluster", ours.get("cluster", False))
