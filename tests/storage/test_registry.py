@@ -176,6 +176,25 @@ def test_register_backend_rejects_bad_names_and_factories() -> None:
         register_backend("fine", "not callable")  # type: ignore[arg-type]
 
 
+async def test_a_built_in_scheme_is_replaced_only_on_purpose_and_never_removed() -> None:
+    for name in ("memory", "file", "redis", "rediss", "unix"):
+        with pytest.raises(ConfigError, match="built-in"):
+            register_backend(name, PluginBackend)
+        with pytest.raises(ConfigError, match="built-in"):
+            unregister_backend(name)
+    async with await open_backend("memory://") as b:
+        assert type(b) is MemoryBackend  # the refused registration changed nothing
+    register_backend("memory", PluginBackend, replace=True)
+    try:
+        async with await open_backend("memory://") as b:
+            assert isinstance(b, PluginBackend)
+    finally:
+        unregister_backend("memory")  # the replacement goes; the built-in is back
+    async with await open_backend("memory://") as b:
+        assert type(b) is MemoryBackend
+    unregister_backend("never-registered")  # absent: no error
+
+
 async def test_factory_returning_something_else_is_a_config_error() -> None:
     register_backend("wrong", lambda url, **o: object())
     try:

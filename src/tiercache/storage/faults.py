@@ -44,10 +44,8 @@ recovery.
 By URL: `FaultyBackend.from_url` opens ``faulty+<inner URL>``, e.g.
 ``faulty+memory://?fault=error&fault_p=0.1&fault_ops=get,set&fault_seed=7``:
 the ``fault*`` options (and a ``plan=FaultPlan(...)`` keyword) build the plan,
-every other option goes to the inner backend. Until the registry routes every
-``faulty+`` scheme here, register the schemes wanted::
-
-    register_backend("faulty+memory", FaultyBackend)
+every other option goes to the inner backend; the registry routes every
+``faulty+`` scheme here, no registration needed.
 """
 
 from __future__ import annotations

@@ -149,11 +149,12 @@ def register_backend(name: str, factory: BackendFactory, *, replace: bool = Fals
         name: the URL scheme, lowercase (``[a-z][a-z0-9+.-]*``).
         factory: a `StorageBackend` subclass with ``from_url``, or a callable
             ``factory(url, **options)`` returning a backend or an awaitable of one.
-        replace: allow replacing an earlier registration of ``name``.
+        replace: allow replacing an earlier registration of ``name``, or a
+            built-in backend (``memory``, ``file``, ``redis`` and its aliases).
 
     Raises:
         ConfigError: a bad name, a factory that is not callable, or ``name``
-            already registered and ``replace`` is false.
+            already registered or built in and ``replace`` is false.
 
     Call from any thread before the backend is opened; registration is a
     plain dict update.
@@ -162,13 +163,27 @@ def register_backend(name: str, factory: BackendFactory, *, replace: bool = Fals
         raise ConfigError(f"a backend name is a lowercase URL scheme, got {name!r}")
     if not callable(factory):
         raise ConfigError(f"the factory of backend {name!r} is not callable: {factory!r}")
-    if name in _registry and not replace:
-        raise ConfigError(f"a backend named {name!r} is already registered (pass replace=True)")
+    if not replace:
+        if name in _registry:
+            raise ConfigError(f"a backend named {name!r} is already registered (pass replace=True)")
+        if name in _BUILTIN or name in _ALIASES:
+            raise ConfigError(
+                f"{name!r} is a built-in backend: pass replace=True to serve its URLs otherwise"
+            )
     _registry[name] = factory
 
 
 def unregister_backend(name: str) -> None:
-    """Forget a `register_backend` registration (no error when absent)."""
+    """Forget a `register_backend` registration (no error when absent).
+
+    A built-in name that was replaced goes back to its built-in backend.
+
+    Raises:
+        ConfigError: ``name`` names a built-in backend that was not replaced
+            (built-ins cannot be removed).
+    """
+    if name not in _registry and (name in _BUILTIN or name in _ALIASES):
+        raise ConfigError(f"{name!r} is a built-in backend; it cannot be unregistered")
     _registry.pop(name, None)
 
 
