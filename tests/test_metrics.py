@@ -191,6 +191,33 @@ async def test_collector_reads_stats_on_the_cache_loop_at_scrape_time() -> None:
     assert collector not in observe.sinks()
 
 
+async def test_small_copies_run_inline_are_timed_too() -> None:
+    """A CPU copy small enough to run inline is still a copy job the histogram counts."""
+    registry = CollectorRegistry()
+    async with TierCache(_config()) as cache:
+        assert cache.layout.page_bytes * 4 < cache.controller.inline_copy_bytes
+        collector = tiercache.metrics.register(cache, registry, watch_loop=False)
+        try:
+            tokens = list(range(16))
+            async with cache.request(tokens) as req:
+                await req.commit(tokens, await req.alloc(len(tokens)))
+            await cache.wait_idle()
+            await cache.evict_device(16)
+            async with cache.request(tokens) as req:
+                assert req.cached_tokens == 12
+                await req.wait_loaded()
+            samples = _parse((await asyncio.to_thread(generate_latest, registry)).decode())
+        finally:
+            await collector.aclose()
+    counts = {
+        dict(labels)["stream"]: v
+        for (n, labels), v in samples.items()
+        if n == "tiercache_copy_duration_seconds_count"
+    }
+    assert counts.get("write", 0) >= 1
+    assert counts.get("load", 0) >= 1
+
+
 async def test_storage_backend_collector_and_call_outcomes() -> None:
     registry = CollectorRegistry()
     backend = MemoryBackend()

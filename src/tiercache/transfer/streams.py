@@ -140,7 +140,8 @@ class CopyStream:
 
         For copies so small that handing them to the worker thread costs more
         than the copy: ordering is kept because nothing else is queued. The
-        completion's callbacks run before this returns.
+        completion's callbacks run before this returns. It is timed like a
+        queued job (`tiercache.observe`), failed or not.
 
         Raises:
             RuntimeError: a CUDA stream, a busy stream or a closed one.
@@ -148,10 +149,14 @@ class CopyStream:
         """
         if self.is_cuda or self._closed or self._pending:
             raise RuntimeError(f"copy stream {self.name} cannot run a job inline now")
-        with torch.inference_mode():
-            done = job()
-        if done is not None:
-            self._settle_steps(done)
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                done = job()
+            if done is not None:
+                self._settle_steps(done)
+        finally:
+            observe("copy", self.name, time.perf_counter() - started)
 
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
