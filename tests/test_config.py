@@ -192,3 +192,24 @@ def test_int_fields_take_numpy_integers_and_store_plain_ints() -> None:
     for name, bad in (("page_size", 16.0), ("tp_rank", -1), ("prefetch_threshold", False)):
         with pytest.raises(ConfigError, match=name):
             TierCacheConfig(**{name: bad})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("device", ["tpu", "meta", "cuda:x", "", "gpu0"])
+def test_a_device_that_is_not_cpu_or_cuda_is_refused_on_construction(device: str) -> None:
+    with pytest.raises(ConfigError, match="device"):
+        TierCacheConfig(device=device)
+    with pytest.raises(ConfigError, match="device"):
+        TierCacheConfig.from_env({"TIERCACHE_DEVICE": device})
+
+
+def test_a_cuda_device_is_a_valid_setting_without_cuda() -> None:
+    # The configuration may be written for another machine: only opening needs CUDA.
+    assert TierCacheConfig(device="cuda:1").device == "cuda:1"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+async def test_opening_a_cuda_cache_without_cuda_is_a_config_error() -> None:
+    cache = TierCache(TierCacheConfig(device="cuda", device_tokens=16, page_size=16))
+    with pytest.raises(ConfigError, match="device"):
+        await cache.open()
+    await cache.aclose()

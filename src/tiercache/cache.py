@@ -60,7 +60,13 @@ from tiercache._resource import AsyncResource
 from tiercache._tasks import TaskGroup
 from tiercache.config import PREFETCH_POLICIES, TierCacheConfig
 from tiercache.controller import CopyAck, LoadHandle, Ready, TierController
-from tiercache.errors import CapacityError, ClosedError, InvalidInputError, StateError
+from tiercache.errors import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    InvalidInputError,
+    StateError,
+)
 from tiercache.index.radix import MatchResult, Node, RadixIndex
 from tiercache.memory.allocator import PageAllocator, check_slot_indices, page_ids
 from tiercache.memory.pools import DeviceKVPool, HostKVPool, resolve_device
@@ -338,6 +344,7 @@ class TierCache(AsyncResource):
 
         Raises:
             StateError / ClosedError: opened twice or after close.
+            ConfigError: ``config.device`` names a CUDA device this machine lacks.
             CapacityError: a pool does not fit.
             ConfigError / StorageError: the storage URL failed (nothing stays open).
         """
@@ -350,7 +357,10 @@ class TierCache(AsyncResource):
 
         # "cuda" means this thread's current device (a TP rank's own GPU), not
         # that of the worker thread the pools are built on.
-        device = resolve_device(cfg.device) if self._device_pool is None else None
+        try:
+            device = resolve_device(cfg.device) if self._device_pool is None else None
+        except InvalidInputError as e:  # the setting does not fit this machine (no CUDA)
+            raise ConfigError(f"device={cfg.device!r}: {e}") from e
 
         def build() -> tuple[DeviceKVPool, HostKVPool]:
             dev = self._device_pool or DeviceKVPool(lay, cfg.device_tokens, device or cfg.device)

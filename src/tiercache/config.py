@@ -214,6 +214,13 @@ class TierCacheConfig:
             raise ConfigError(
                 f"device must be a str such as 'cpu' or 'cuda:0', got {self.device!r}"
             )
+        # The form only: whether CUDA is there is a question for the machine that opens the cache.
+        try:
+            device_type = torch.device(self.device).type
+        except (RuntimeError, TypeError):
+            device_type = None
+        if device_type not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
     def _check_sizes(self) -> None:
         """How the int fields fit together: the shard, whole pages, one way to size the host."""
