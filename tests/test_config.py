@@ -213,3 +213,14 @@ async def test_opening_a_cuda_cache_without_cuda_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="device"):
         await cache.open()
     await cache.aclose()
+
+
+@pytest.mark.parametrize("raw", ['{"capacity_bytes": 5}', "[1]", "capacity_bytes", "=5", "a=1,b"])
+def test_storage_options_from_env_must_be_key_value_pairs(raw: str) -> None:
+    with pytest.raises(ConfigError, match="TIERCACHE_STORAGE_OPTIONS"):
+        TierCacheConfig.from_env({"TIERCACHE_STORAGE_OPTIONS": raw})
+
+
+def test_storage_options_from_env_may_be_empty() -> None:
+    for raw in ("", " ", ","):
+        assert TierCacheConfig.from_env({"TIERCACHE_STORAGE_OPTIONS": raw}).storage_options == {}

@@ -329,7 +329,7 @@ class TierCacheConfig:
         """Build from ``TIERCACHE_<FIELD>`` variables (e.g. ``TIERCACHE_PAGE_SIZE=64``).
 
         Values are parsed by the field's type; ``TIERCACHE_STORAGE_OPTIONS``
-        is ``key=value,key=value``. Keyword ``overrides`` win over the
+        is ``key=value,key=value`` (anything else raises). Keyword ``overrides`` win over the
         environment. Unknown ``TIERCACHE_`` variables are ignored (other tools
         share the prefix), except that a bad value for a known one raises.
         """
@@ -358,8 +358,12 @@ def _parse_env(name: str, type_name: str, raw: str) -> Any:
     try:
         if name == "storage_options":
             opts: dict[str, str] = {}
-            for part in filter(None, text.split(",")):
-                k, _, v = part.partition("=")
+            for part in filter(None, (p.strip() for p in text.split(","))):
+                k, eq, v = part.partition("=")
+                if not eq or not k.strip():
+                    raise ConfigError(
+                        f"TIERCACHE_STORAGE_OPTIONS={raw!r} is not key=value,key=value: {part!r}"
+                    )
                 opts[k.strip()] = v.strip()
             return opts
         if "None" in type_name and text.lower() in ("", "none"):
