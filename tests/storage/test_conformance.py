@@ -131,6 +131,19 @@ async def test_mismatched_batch_is_rejected(backend: StorageBackend) -> None:
         await backend.batch_get(ks, [random_page()])
 
 
+async def test_keys_may_be_any_iterable_of_keys(backend: StorageBackend) -> None:
+    """Every backend reads ``keys`` once: an iterator gets the answer its list gets."""
+    ks = keys(3)
+    src = [random_page() for _ in range(3)]
+    assert await backend.batch_set(iter(ks), src) == [True] * 3
+    assert await backend.batch_exists(iter(ks)) == 3
+    dst = [random_page() for _ in range(3)]
+    assert await backend.batch_get(iter(ks), dst) == [True] * 3
+    assert [d.tobytes() for d in dst] == [s.tobytes() for s in src]
+    assert await backend.delete(iter(ks[:2])) == 2
+    assert await backend.batch_exists(tuple(ks[2:])) == 1
+
+
 async def test_closed_backend_raises_and_aclose_is_idempotent(backend: StorageBackend) -> None:
     (k,) = keys(1)
     await backend.aclose()

@@ -850,3 +850,31 @@ async def test_a_fault_the_inner_failure_preempted_is_not_spent() -> None:
     assert fb.injected["flip"] == 1 and flaky.injected["error"] == 1
     await fb.aclose()
     assert inner.state is BackendState.CLOSED  # closing closes the whole stack
+
+
+@pytest.mark.parametrize("op", ["exists", "get", "set", "delete"])
+async def test_bad_keys_are_refused_before_any_fault(op: str) -> None:
+    """A key every backend refuses is refused here too, and draws no fault."""
+    fb, inner = make(FaultSpec(FaultKind.ERROR, probability=1.0))
+    for bad in (["../x"], "k1", [b"k1"], [1]):
+        with pytest.raises(InvalidInputError):
+            if op == "exists":
+                await fb.batch_exists(bad)  # type: ignore[arg-type]
+            elif op == "get":
+                await fb.batch_get(bad, [sentinel()] * len(bad))  # type: ignore[arg-type]
+            elif op == "set":
+                await fb.batch_set(bad, [page(0)] * len(bad))  # type: ignore[arg-type]
+            else:
+                await fb.delete(bad)  # type: ignore[arg-type]
+    assert fb.total_injected == 0
+    assert inner.seen == []
+
+
+async def test_keys_may_be_an_iterator() -> None:
+    fb, inner = make()
+    keys = [key(i) for i in range(3)]
+    assert await fb.batch_set(iter(keys), [page(i) for i in range(3)]) == [True] * 3
+    assert await fb.batch_exists(iter(keys)) == 3
+    got = [sentinel() for _ in range(3)]
+    assert await fb.batch_get(iter(keys), got) == [True] * 3
+    assert await fb.delete(iter(keys)) == 3

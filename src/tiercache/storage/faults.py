@@ -72,6 +72,7 @@ from tiercache.errors import (
 )
 from tiercache.memory.pages import PageBuffer
 from tiercache.storage.base import BackendState, BackendStats, PageKey, StorageBackend
+from tiercache.storage.keys import check_batch
 from tiercache.storage.registry import (
     open_backend,
     option_bool,
@@ -605,6 +606,7 @@ class FaultyBackend(StorageBackend):
     # -- the StorageBackend interface -----------------------------------------
 
     async def batch_exists(self, keys: Sequence[PageKey]) -> int:
+        keys = check_batch(keys)  # as every backend, before anything else (a fault included)
         d = await self._before("exists")
         n = await self._forward(d, d.shaping, self.inner.batch_exists(keys))
         for st in d.shaping:
@@ -620,8 +622,7 @@ class FaultyBackend(StorageBackend):
         return n
 
     async def batch_get(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
-        if len(keys) != len(pages):
-            raise InvalidInputError(f"{len(keys)} keys but {len(pages)} pages")
+        keys = check_batch(keys, pages)
         d = await self._before("get")
         partial = [st for st in d.shaping if st.spec.kind is FaultKind.PARTIAL]
         damage = [st for st in d.shaping if st.spec.kind is not FaultKind.PARTIAL]
@@ -649,8 +650,7 @@ class FaultyBackend(StorageBackend):
         return out
 
     async def batch_set(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
-        if len(keys) != len(pages):
-            raise InvalidInputError(f"{len(keys)} keys but {len(pages)} pages")
+        keys = check_batch(keys, pages)
         d = await self._before("set")
         idx = self._thin(d, d.shaping, list(range(len(keys))), "wrote", "pages")
         if len(idx) == len(keys):
@@ -667,8 +667,9 @@ class FaultyBackend(StorageBackend):
         return out
 
     async def delete(self, keys: Sequence[PageKey]) -> int:
+        keys = check_batch(keys)
         d = await self._before("delete")
-        sub = self._thin(d, d.shaping, list(keys), "deleted", "keys")
+        sub = self._thin(d, d.shaping, keys, "deleted", "keys")
         n = await self._forward(d, [], self.inner.delete(sub)) if sub else 0
         await self._after(d)
         return n

@@ -656,7 +656,7 @@ class RedisBackend(StorageBackend):
     async def batch_exists(self, keys: Sequence[PageKey]) -> int:
         """How many of ``keys``, counted from the first, are stored: one pipeline of ``EXISTS``."""
         self._check_open()
-        check_batch(keys)
+        keys = check_batch(keys)
         self._stats.exists_calls += 1
         if not keys:
             return 0
@@ -684,7 +684,7 @@ class RedisBackend(StorageBackend):
                 read failed; no page buffer was written.
         """
         self._check_open()
-        check_batch(keys, pages)
+        keys = check_batch(keys, pages)
         if not keys:
             return []
 
@@ -765,7 +765,7 @@ class RedisBackend(StorageBackend):
                 write failed; some pages may have been stored.
         """
         self._check_open()
-        check_batch(keys, pages)
+        keys = check_batch(keys, pages)
         if not keys:
             return []
         nbytes = sum(p.nbytes for p in pages)
@@ -802,7 +802,7 @@ class RedisBackend(StorageBackend):
     async def delete(self, keys: Sequence[PageKey]) -> int:
         """``UNLINK`` the keys (one pipeline); returns how many existed."""
         self._check_open()
-        check_batch(keys)
+        keys = check_batch(keys)
         if not keys:
             return 0
 
