@@ -1490,7 +1490,15 @@ class TierController(AsyncResource):
         """Stop a prefetch; return ``(completed_tokens, hash_values)`` (see `StorageTier.terminate_prefetch`).
 
         Works after a detach too (the operation is already ended then).
+
+        Raises:
+            InvalidInputError: ``operation`` is not a `PrefetchOperation`
+                (`prefetch` returns ``None`` when it started nothing).
         """
+        if not isinstance(operation, PrefetchOperation):
+            raise InvalidInputError(
+                f"operation must be a PrefetchOperation, got {type(operation).__name__}"
+            )
         tier = self.storage
         if tier is None:
             await operation.wait()

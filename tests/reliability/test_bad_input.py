@@ -294,6 +294,8 @@ CASES: list[Case] = [
         lambda w: w.ctl.prefetch("r", w.host.int(), list(range(4 * PS))),
         InvalidInputError,
     ),
+    ("terminate None", lambda w: w.ctl.terminate_prefetch(None), InvalidInputError),  # type: ignore[arg-type]
+    ("terminate not an operation", lambda w: w.ctl.terminate_prefetch("r"), InvalidInputError),  # type: ignore[arg-type]
     (
         "backup token count",
         lambda w: w.ctl.write_storage(w.host, list(range(PS))),
