@@ -132,3 +132,36 @@ async def test_device_eviction_moves_to_host_and_loads_back(tmp_path: Path) -> N
             assert m.host_tokens > 0, policy
             cached, _ = await compute(cache, prompts[0] + prompt(7, 64))
             assert cached == 512, policy  # and compute() checked the bytes
+
+
+async def test_evict_frees_that_many_more_slots_whole_nodes_at_a_time(tmp_path: Path) -> None:
+    """As the README says: ``evict_device(n)`` frees at least ``n`` more slots (whole
+    nodes), even when ``n`` are free already, and returns the slots it freed."""
+    async with TierCache(config(tmp_path, storage_url=None)) as cache:
+        for first in (0, 10_000):
+            tokens = list(range(first, first + 2 * PS))
+            await cache.insert(tokens, await cache.alloc_device(len(tokens)))
+        await cache.wait_idle()
+        free = cache.stats().extra["device_free"]
+        assert free >= PS
+        assert await cache.evict_device(1) == 2 * PS  # one whole node, room or not
+        assert cache.stats().extra["device_free"] == free + 2 * PS
+        assert await cache.evict_host(1) == 2 * PS
+        assert await cache.evict_device(10**6) == 2 * PS  # all there is
+
+
+async def test_restart_fetches_from_storage_from_prefetch_threshold_tokens(
+    tmp_path: Path,
+) -> None:
+    """The default ``prefetch_threshold`` (256 tokens): a shorter stored prefix is recomputed."""
+    defaults = TierCacheConfig()
+    assert (defaults.prefetch_threshold, defaults.prefetch_policy) == (256, "timeout")
+    short, long = list(range(3 * PS + 1)), list(range(50_000, 50_000 + 4 * PS + 1))
+    cfg = config(tmp_path, prefetch_threshold=256, prefetch_policy="timeout")
+    async with TierCache(cfg) as cache:
+        for tokens in (short, long):
+            await compute(cache, tokens)
+        await cache.wait_idle()
+    async with TierCache(cfg) as cache:  # a restart: only the store holds them
+        assert await compute(cache, short) == (0, 0)
+        assert await compute(cache, long) == (4 * PS, 4 * PS)
