@@ -379,7 +379,7 @@ def main(
     threads = set_threads()
     spec = FULL_LAYOUT
     mib = 4 if smoke else 32 if quick else 256
-    repeat = 2 if smoke else 3 if quick else 5
+    repeat = 2 if smoke else 3 if quick else 7
     layout64 = _layout(spec, 64)
     num_tokens = mib * 2**20 // layout64.token_bytes  # a multiple of 64 for these sizes
     scaling_spec = QUICK_SCALING_LAYOUT if quick or smoke else FULL_LAYOUT
