@@ -27,7 +27,9 @@ on that loop. No call from vLLM waits for storage:
 - `lookup` answers from a verdict cache. A key it has not seen is queued and
   answered `RETRY`; at the end of the scheduler step (`on_schedule_end`) the
   queued keys go to the loop as one existence query, and the scheduler's
-  next lookup finds the verdict (``HIT`` or ``MISS``).
+  next lookup finds the verdict (``HIT`` or ``MISS``). A ``MISS`` holds for the
+  requests that were told it; a later request asks the store again, since the
+  block may have been stored since.
 - `submit_store` / `submit_load` schedule one batch on the loop and return;
   `get_finished_jobs` collects the batches that completed, as vLLM's
   `JobResult`.
@@ -435,7 +437,9 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         Returns:
             ``HIT`` or ``MISS`` once this key's existence query has answered
             (a failed query answers ``MISS``); ``RETRY`` while it is queued or
-            running. The query of a new key starts at the end of the step.
+            running. The query of a new key starts at the end of the step. A
+            ``MISS`` is kept for the requests it was told to; a request that
+            had not looked the key up before asks again.
         """
         if self._probe_futures:
             self._collect_probes()
@@ -443,14 +447,22 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         if probe is None:
             probe = _Probe()
             self._probes[key] = probe
-            self._probe_batch.append((key, req_context))
-            if len(self._probe_batch) >= self._max_probe_batch:
-                self._flush_probes()
+            self._queue_probe(key, req_context)
+        elif probe.result is False and req_context.req_id not in probe.req_ids:
+            # A miss told to other requests may be stale (the block may have been
+            # stored since, here or by another instance): a new request asks again.
+            probe.result = None
+            self._queue_probe(key, req_context)
         probe.req_ids.add(req_context.req_id)
         self._req_keys.setdefault(req_context.req_id, set()).add(key)
         if probe.result is None:
             return LookupResult.RETRY
         return LookupResult.HIT if probe.result else LookupResult.MISS
+
+    def _queue_probe(self, key: OffloadKey, req_context: ReqContext) -> None:
+        self._probe_batch.append((key, req_context))
+        if len(self._probe_batch) >= self._max_probe_batch:
+            self._flush_probes()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Start the existence query of the keys looked up this step."""

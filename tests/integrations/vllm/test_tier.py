@@ -191,6 +191,29 @@ def test_a_block_never_stored_is_a_miss(tmp_path: Path, instances: list[Instance
     assert names(history) == [["RETRY"] * 3, ["MISS"] * 3]
 
 
+def test_a_miss_told_to_one_request_is_asked_again_for_the_next(
+    tmp_path: Path, instances: list[Instance]
+) -> None:
+    url = f"file://{tmp_path}"
+    a = Instance([tier_config(url)])
+    instances.append(a)
+    keys, data = make_keys(2), payloads(2, BLOCK)
+    early = a.request()  # still running while the blocks get stored
+    assert names(a.lookup_until_settled(keys, early))[-1] == ["MISS", "MISS"]
+    # The request told MISS keeps its answer: no query per lookup.
+    assert [a.tier.lookup(k, early) for k in keys] == [MISS, MISS]
+
+    b = Instance([tier_config(url)])  # another instance sharing the store
+    instances.append(b)
+    b.store(keys, data)
+
+    late = a.request()
+    history = names(a.lookup_until_settled(keys, late))
+    assert history[0] == ["RETRY", "RETRY"], history  # a new query, not the old verdict
+    assert history[-1] == ["HIT", "HIT"], history
+    assert a.load(keys, late, BLOCK) == data
+
+
 def test_request_finishing_before_its_query_leaves(
     tmp_path: Path, instances: list[Instance]
 ) -> None:
