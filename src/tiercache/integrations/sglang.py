@@ -215,7 +215,8 @@ def _timing_options(extra: Mapping[str, Any]) -> dict[str, Any]:
     """The deadlines and the fault policy given in ``extra`` (those absent keep their defaults).
 
     Raises:
-        ConfigError: a bad value; the message names its key.
+        ConfigError: a bad value, or ``reconnect_backoff_max_s`` below
+            ``reconnect_backoff_s``; the message names its key.
     """
     kw: dict[str, Any] = {}
     for name in ("timeout_s", "open_timeout_s", "reconnect_backoff_s", "reconnect_backoff_max_s"):
@@ -228,6 +229,14 @@ def _timing_options(extra: Mapping[str, Any]) -> dict[str, Any]:
     if "fault_policy" in extra:
         kw["fault_policy"] = check_choice(
             extra["fault_policy"], FAULT_POLICIES, _option("fault_policy"), error=ConfigError
+        )
+    defaults = SGLangOptions.__dataclass_fields__
+    first = kw.get("reconnect_backoff_s", defaults["reconnect_backoff_s"].default)
+    most = kw.get("reconnect_backoff_max_s", defaults["reconnect_backoff_max_s"].default)
+    if most < first:
+        raise ConfigError(
+            f"{_option('reconnect_backoff_max_s')} ({most:g}) must be at least "
+            f"{_option('reconnect_backoff_s')} ({first:g}): the probes back off from one up to the other"
         )
     return kw
 

@@ -50,6 +50,11 @@ def test_factory_loads_the_backend_by_module_and_class(file_store: str) -> None:
         ({"fault_threshold": 1.5}, "'fault_threshold'"),
         ({"fault_threshold": True}, "'fault_threshold'"),
         ({"reconnect_backoff_s": float("inf")}, "'reconnect_backoff_s'"),
+        (
+            {"reconnect_backoff_s": 10, "reconnect_backoff_max_s": 1},
+            "'reconnect_backoff_max_s'",
+        ),
+        ({"reconnect_backoff_s": 60}, "'reconnect_backoff_max_s'"),
         ({"capacity_bytes": -1}, "'capacity_bytes'"),
         ({"capacity_bytes": 1.0}, "'capacity_bytes'"),
         ({"backend_options": [1]}, "'backend_options'"),
