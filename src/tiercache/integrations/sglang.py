@@ -46,7 +46,10 @@ unknown key or a bad value raises `ConfigError` naming the key:
 tiercache's ``page_hashes``. Each is stored under
 ``StorageNamespace.for_layout(...).key(hash)``: the model name, KV dtype and
 shape, host layout, page size and tensor-parallel shard (the rank is left out
-for MLA, whose KV every rank holds; only rank 0 writes it). Pipeline and
+for MLA, whose KV every rank holds; only rank 0 writes it). The KV dtype is
+the host pool's: SGLang keeps fp8 KV as bytes, so ``fp8_e4m3`` and
+``fp8_e5m2`` pages of one model name share keys (a warning says so at start;
+give instances of different fp8 formats different ``model_name`` values). Pipeline and
 context-parallel shards are added to the model identity. So a `TierCache` of
 the same model, layout, host layout and shard reads the pages SGLang stored,
 and the reverse.
@@ -422,6 +425,9 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Take SGLang's host pool: the pages of every call are views of it.
 
+        A pool of bytes (SGLang's fp8 KV) is logged as a warning: the KV
+        dtype in the keys is then ``uint8``, whatever the fp8 format.
+
         Raises:
             ConfigError: the pool's layout or kind is not one tiercache stores.
         """
@@ -435,6 +441,13 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
             tp_size=self.tp_size,
         )
         self._pool = pool
+        if pool.layout.dtype == torch.uint8:
+            logger.warning(
+                "SGLang's host pool holds the KV as bytes, as it keeps fp8 KV: the page keys "
+                "of model %s cannot tell fp8_e4m3 from fp8_e5m2; instances that share this "
+                "store with another fp8 format need another model_name",
+                self.model,
+            )
 
     @property
     def namespace(self) -> StorageNamespace:

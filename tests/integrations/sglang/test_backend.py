@@ -190,3 +190,35 @@ def test_mla_has_one_writer_and_every_rank_reads_its_pages(file_store: str) -> N
     finally:
         b0.close()
         b1.close()
+
+
+def test_fp8_formats_look_alike_so_the_start_says_so(
+    file_store: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # SGLang keeps fp8 KV as bytes: the host pool of either format is uint8.
+    formats = (torch.float8_e4m3fn, torch.float8_e5m2)
+    hosts = [_pool(h.Geometry(dtype=dt), seed=None) for dt in formats]
+    with caplog.at_level("WARNING", logger="tiercache.integrations.sglang"):
+        e4m3, e5m2 = (_backend(file_store, host) for host in hosts)
+        named = _backend(file_store, hosts[1], model_name="m-fp8_e5m2")
+    try:
+        assert e4m3.namespace.dtype == e5m2.namespace.dtype == "uint8"
+        assert e4m3.namespace.digest == e5m2.namespace.digest
+        assert named.namespace.digest != e4m3.namespace.digest  # model_name keeps them apart
+        warned = [r.getMessage() for r in caplog.records if "fp8" in r.getMessage()]
+        assert len(warned) == 3 and all("model_name" in m for m in warned), warned
+    finally:
+        for b in (e4m3, e5m2, named):
+            b.close()
+
+
+def test_a_pool_of_a_named_dtype_does_not_warn(
+    file_store: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="tiercache.integrations.sglang"):
+        b = _backend(file_store, _pool(h.Geometry(dtype=torch.bfloat16), seed=None))
+    try:
+        assert b.namespace.dtype == "bfloat16"
+        assert not [r for r in caplog.records if "fp8" in r.getMessage()]
+    finally:
+        b.close()
