@@ -15,10 +15,16 @@ and instance B, with a host pool of its own, finds them (``batch_exists``) and
 reads them into place (``batch_get_v1``). The page keys are SGLang's hash
 chain; ``tiercache.page_hashes`` computes the same one.
 
-Run it where SGLang is installed (``make install-sglang`` builds environments
-for the test suite, which runs this script)::
+Run it where SGLang is installed::
 
     python examples/sglang_backend.py [--url URL]
+
+The environments ``make install-sglang`` builds for the test suite (which runs
+this script) hold SGLang without torchvision and, on a machine without a GPU,
+without a working ``sgl_kernel``; there, put the suite's stand-ins for those
+first on the path::
+
+    PYTHONPATH=tests/integrations/sglang/stubs .venv-sglang-0.5.23/bin/python examples/sglang_backend.py
 """
 
 import argparse
