@@ -118,6 +118,25 @@ logger = logging.getLogger(__name__)
 
 _IDENTITY_VERSION = "tiercache-vllm/1"
 
+#: The keys of a ``secondary_tiers`` entry that configure the tier (besides vLLM's
+#: own ``type``, ``module_path`` and ``backpressure``).
+TIER_KEYS = frozenset(
+    {
+        "url",
+        "backend_options",
+        "namespace",
+        "timeout_s",
+        "open_timeout_s",
+        "reopen_interval_s",
+        "max_probe_batch",
+        "locality",
+        "enable_kv_events",
+        "metrics_port",
+        "metrics_addr",
+        "metrics_registry",
+    }
+)
+
 
 def vllm_identity(offloading_spec: Any, block_bytes: int) -> dict[str, Any]:
     """The fields of vLLM's configuration that shape a stored block's bytes.
@@ -237,7 +256,8 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
             the collector in (programmatic use), instead of one of the tier's own.
 
     Raises:
-        ConfigError: a bad option, URL or primary region.
+        ConfigError: an unknown key (the message names it), a bad option,
+            URL or primary region.
 
     Every method runs on the caller's thread (vLLM's scheduler, under the
     tiering manager's lock) and, except `drain_jobs` and `shutdown`, returns
@@ -265,7 +285,13 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         metrics_port: int | None = None,
         metrics_addr: str | None = None,
         metrics_registry: Any = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise ConfigError(
+                f"unknown key(s) {sorted(unknown)} in the tiercache tier entry; "
+                f"keys: {sorted(TIER_KEYS)}"
+            )
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self._set_options(
             url,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import subprocess
@@ -32,7 +33,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E40
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from tiercache.errors import ConfigError  # noqa: E402
-from tiercache.integrations.vllm import TierCacheTier  # noqa: E402
+from tiercache.integrations.vllm import TIER_KEYS, TierCacheTier  # noqa: E402
 from tiercache.storage import register_backend, unregister_backend  # noqa: E402
 from tiercache.storage.faults import FaultyBackend  # noqa: E402
 
@@ -129,6 +130,17 @@ def test_bad_options_are_config_errors(tmp_path: Path, options: dict[str, object
             {**tier_config(f"file://{tmp_path}"), **options}, view, spec
         )
     assert tiercache_threads() == []
+
+
+def test_an_unknown_key_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    spec = TieringOffloadingSpec(offloading_config([tier_config(f"file://{tmp_path}")]))
+    view = memoryview(np.zeros((8, BLOCK), dtype=np.int8))
+    entry = {**tier_config(f"file://{tmp_path}"), "timout_s": 3}
+    with pytest.raises(ConfigError, match=r"'timout_s'.*'timeout_s'"):
+        SecondaryTierFactory.create_secondary_tier(entry, view, spec)
+    assert tiercache_threads() == []
+    params = inspect.signature(TierCacheTier).parameters.values()
+    assert TIER_KEYS == {p.name for p in params if p.kind is p.KEYWORD_ONLY}
 
 
 def _share(url: str, instances: list[Instance], n: int = 6) -> None:
