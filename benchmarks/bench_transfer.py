@@ -2,8 +2,8 @@
 
 For page sizes 1, 16 and 64 and host layouts ``layer_first`` and
 ``page_first``, it times a backup (every layer, device->host,
-`CopyEngine.backup_all_layers`) and a load (layer by layer,
-`CopyEngine.load_layer` for every layer) of the same pages, both for
+`CopyEngine.backup_all_layers`) and a load (layer 0 first,
+`CopyEngine.load_all_layers`, as the controller loads) of the same pages, both for
 contiguous page runs (what a fresh allocator hands out) and for scattered pages
 (a random page order on both sides). Each is divided by a plain
 ``Tensor.copy_`` of the same number of bytes between two preallocated
@@ -147,13 +147,8 @@ def _engine_rows(
                 def backup(plan: Any = plan, engine: CopyEngine = engine) -> None:
                     engine.backup_all_layers(plan)
 
-                def load(
-                    plan: Any = plan,
-                    engine: CopyEngine = engine,
-                    num_layers: int = layout.num_layers,
-                ) -> None:
-                    for layer in range(num_layers):
-                        engine.load_layer(layer, plan)
+                def load(plan: Any = plan, engine: CopyEngine = engine) -> None:
+                    engine.load_all_layers(plan)
 
                 base = memcpy.fn(nbytes)
                 r_base_b, r_backup = _interleaved([base, backup], repeat)
@@ -315,8 +310,7 @@ async def _scaling(spec: dict[str, int], memcpy: _Memcpy, repeat: int) -> dict[s
                 c.engine.backup_all_layers(plan)
 
             def load(plan: Any = plan) -> None:
-                for layer in range(layout.num_layers):
-                    c.engine.load_layer(layer, plan)
+                c.engine.load_all_layers(plan)
 
             dev = c.device_allocator.alloc(n)
             assert dev is not None

@@ -1058,7 +1058,6 @@ class TierController(AsyncResource):
         """
         engine = self.engine
         pinned = self._pinned_indices
-        num_layers = self.layout.num_layers
 
         def job() -> Completion:
             try:
@@ -1071,14 +1070,16 @@ class TierController(AsyncResource):
                     stream.wait_for(r)
                 plan = engine.plan(host, pinned(dev), checked=True)
                 steps: list[tuple[torch.cuda.Event | None, Callable[[], None] | None]] = []
-                for i in range(num_layers):
-                    engine.load_layer(i, plan)
+
+                def landed(i: int) -> None:  # layers 0..i are in place (CPU) or queued
                     ev = stream.record_event()
                     if ev is None:
                         layers.mark_done(i)  # CPU: the bytes are in place
                     else:
                         layers.mark_recorded(i, ev)
                         steps.append((ev, _mark_done(layers, i)))
+
+                engine.load_all_layers(plan, landed)
             except BaseException as e:
                 stream.settle()  # what was queued finishes before anyone frees the slots
                 layers.mark_failed(e)

@@ -1,8 +1,9 @@
 """CopyEngine against a reference copy: every byte of both pools, for every CPU path.
 
 Both pools are filled with random bytes (any bit pattern: NaNs included), a
-backup and a load run, and the whole of both pools is compared, as bytes,
-with what plain indexing gives: the slots of the plan hold the other side's
+backup and a load run (layer by layer, then all layers at once, each layer
+checked when it is reported), and the whole of both pools is compared, as
+bytes, with what plain indexing gives: the slots of the plan hold the other side's
 bytes, and no other byte changed. For page sizes 1, 16 and 64, odd page
 counts, both host layouts, joint and caller-owned device buffers, row sizes
 that copy as int64, int16 (6-byte rows) and a one-buffer (MLA) layout; with
@@ -14,6 +15,9 @@ three chunks.
 from __future__ import annotations
 
 import random
+import threading
+import time
+from typing import Any
 
 import pytest
 import torch
@@ -140,6 +144,30 @@ def _round_trip(engine: CopyEngine, host_pages: list[int], dev_pages: list[int])
                 expect = want[b][y] if y <= x else before[b][y]
                 assert torch.equal(_bytes(device.buffers[b][y]), expect), (x, b, y)
 
+    # Every layer at once, into fresh bytes again: each layer reported in order, once
+    # it and every layer before it are in place; all of them in place at the end.
+    for b in range(B):
+        for x in range(L):
+            _randomize(device.buffers[b][x], gen)
+    before = [[_bytes(device.buffers[b][x]).clone() for x in range(L)] for b in range(B)]
+    want = [[t.clone() for t in per_buffer] for per_buffer in before]
+    for b in range(B):
+        for x in range(L):
+            want[b][x][d] = _bytes(host.layer(b, x))[h]
+    reported: list[int] = []
+
+    def on_layer(x: int) -> None:
+        for b in range(B):
+            for y in range(x + 1):
+                assert torch.equal(_bytes(device.buffers[b][y]), want[b][y]), (x, b, y)
+        reported.append(x)
+
+    engine.load_all_layers(plan, on_layer)
+    assert reported == list(range(L))
+    for b in range(B):
+        for y in range(L):
+            assert torch.equal(_bytes(device.buffers[b][y]), want[b][y]), (b, y)
+
 
 @pytest.fixture(params=["real-bounds", "tiny-bounds-shared"])
 def bounds(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -192,3 +220,31 @@ def test_real_chunks_end_inside_pages_of_4_kib_rows(
     assert plan.chunks is not None and plan.device_runs is None
     assert {n for _, _, n in plan.chunks} == {32}
     assert engine_module._PARALLEL_MIN_BYTES <= 9 * 64 * 2 * layout.token_layer_bytes
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+def test_a_load_of_all_layers_waits_for_a_slow_helper(
+    host_layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The helper thread copies its batches slowly: every layer is still reported,
+    in order, only once in place, and all are in place when the call returns."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(engine_module, "_MAX_GATHER_RUNS", 0)
+    monkeypatch.setattr(engine_module, "_RUN_BREAK_EVEN_BYTES", 0)  # runs, not the index path
+    monkeypatch.setattr(engine_module, "_MAX_BATCH_UNITS", 2)
+    monkeypatch.setattr(engine_module, "_MIN_BATCH_UNITS", 1)
+    caller = threading.get_ident()
+    copy_batches = engine_module._copy_batches
+
+    def slow_on_the_helper(*args: Any) -> None:
+        if threading.get_ident() != caller:
+            time.sleep(0.005)
+        copy_batches(*args)
+
+    monkeypatch.setattr(engine_module, "_copy_batches", slow_on_the_helper)
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, page_size=4)
+    host_pages, dev_pages = _pages("both scattered", 40, 100, seed=5)
+    engine = _check_round_trip(layout, host_layout, True, host_pages, dev_pages)
+    plan = engine.plan(_slots(host_pages, 4), _slots(dev_pages, 4))
+    assert plan.chunks is not None and plan.device_runs is None

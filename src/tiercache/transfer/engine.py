@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +135,60 @@ def _copy_batches(
             dst, src = pairs[u // per_pair]
             h0, d0, n = chunks[u % per_pair]
             np.copyto(dst[d0 : d0 + n], src[h0 : h0 + n])
+
+
+def _copy_layer_chunks(
+    layer_pairs: list[list[tuple[Rows, Rows]]],
+    chunks: tuple[Chunk, ...],
+    pool: concurrent.futures.ThreadPoolExecutor,
+    on_layer: Callable[[int], None] | None,
+) -> None:
+    """`_copy_chunks` for every layer of a load at once, shared with ``pool``'s helper.
+
+    The chunks of all layers are numbered layer after layer and handed out in
+    batches to the calling thread and the helper, as `_copy_chunks` does for
+    one layer: the helper is woken once a load, not once a layer (a wake-up
+    costs as much as a few chunks). The calling thread calls
+    ``on_layer(i)`` once layers ``0..i`` are all copied, in order, after
+    each of its own batches and once the helper is done; a layer the helper
+    finishes is reported after the caller's batch in hand.
+    """
+    per_layer = len(layer_pairs[0]) * len(chunks)
+    left = [per_layer] * len(layer_pairs)  # chunks not copied yet, per layer
+    lock = threading.Lock()
+    batches = iter(_batch_bounds(per_layer * len(layer_pairs)))  # next() is atomic
+
+    def copy(lo: int, hi: int) -> None:
+        while lo < hi:
+            x, first = divmod(lo, per_layer)
+            end = min(hi, (x + 1) * per_layer)
+            _copy_batches(layer_pairs[x], chunks, iter(((first, end - x * per_layer),)))
+            with lock:
+                left[x] -= end - lo
+            lo = end
+
+    def helper() -> None:
+        for lo, hi in batches:
+            copy(lo, hi)
+
+    reported = 0
+
+    def report() -> None:
+        nonlocal reported
+        while reported < len(left) and left[reported] == 0:
+            if on_layer is not None:
+                on_layer(reported)
+            reported += 1
+
+    job = pool.submit(helper)
+    try:
+        for lo, hi in batches:
+            copy(lo, hi)
+            report()
+    finally:
+        if not job.cancel():  # it started: the batch it holds lands first
+            job.result()
+    report()
 
 
 #: A load whose device side is at most this many contiguous runs gathers whole
@@ -564,6 +618,30 @@ class CopyEngine:
             dst.index_copy_(0, plan.host_indices[lo:hi], gathered.to("cpu"))
 
     # -- host -> device -------------------------------------------------------
+
+    def load_all_layers(
+        self, plan: TransferPlan, on_layer: Callable[[int], None] | None = None
+    ) -> None:
+        """Copy every layer of ``plan``'s host slots into its device slots, layer 0 first.
+
+        ``on_layer(i)`` is called on the calling thread once layers ``0..i``
+        are all in place (on CUDA: queued on the current stream, as
+        `load_layer` leaves them), for every layer in order.
+
+        The same bytes as `load_layer` for each layer in turn. A large
+        scattered CPU load shares its chunks with the engine's helper thread
+        across all layers, instead of handing it each layer's in turn.
+        """
+        num_layers = self.layout.num_layers
+        if plan.chunks is not None and self.device.type == "cpu" and plan.device_runs is None:
+            pool = self._helper_pool(self.plan_bytes(plan))
+            if pool is not None:
+                _copy_layer_chunks(self._layer_arrays(), plan.chunks, pool, on_layer)
+                return
+        for i in range(num_layers):
+            self.load_layer(i, plan)
+            if on_layer is not None:
+                on_layer(i)
 
     def load_layer(self, layer: int, plan: TransferPlan) -> None:
         """Copy layer ``layer`` of ``plan``'s host slots into its device slots."""
