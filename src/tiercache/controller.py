@@ -48,6 +48,7 @@ from tiercache.storage_tier import (
     PrefetchOperation,
     StorageTier,
     StorageTierConfig,
+    check_storage_args,
     collective_device,
 )
 from tiercache.transfer.engine import CopyEngine, TransferPlan
@@ -1463,9 +1464,15 @@ class TierController(AsyncResource):
         """Start a storage prefetch of ``token_ids`` into ``host_indices`` (see `StorageTier.prefetch`).
 
         Returns ``None`` (the caller keeps its slots) when no backend is
-        attached or prefetch is rate-limited.
+        attached or prefetch is rate-limited. The arguments are checked in
+        either case.
+
+        Raises:
+            InvalidInputError: bad slots, tokens or ``last_hash`` (see
+                `check_storage_args`).
         """
         self._check_open()
+        check_storage_args(self._slots, self.namespace, host_indices, token_ids, last_hash)
         if self.storage is None:
             return None
         return self.storage.prefetch(request_id, host_indices, token_ids, last_hash)
@@ -1519,8 +1526,17 @@ class TierController(AsyncResource):
         """Back host pages up to storage (see `StorageTier.write_storage`); ``None`` when detached.
 
         ``track``: report the ended operation through `drain_backup_acks`.
+        The arguments are checked whether or not a backend is attached.
+
+        Raises:
+            InvalidInputError: bad slots, tokens, ``hash_value``,
+                ``hash_values`` or ``track`` (see `check_storage_args`).
         """
         self._check_open()
+        check_storage_args(
+            self._slots, self.namespace, host_indices, token_ids, hash_value, hash_values
+        )
+        check_bool(track, "track")
         if self.storage is None:
             return None
         return self.storage.write_storage(

@@ -446,6 +446,51 @@ class _ArrivedPrefix:
             self._next += 1
 
 
+def check_storage_args(
+    slots: HostSlots,
+    namespace: StorageNamespace,
+    host_indices: torch.Tensor,
+    token_ids: Sequence[int],
+    prior_hash: str | None = None,
+    hash_values: list[str] | None = None,
+) -> tuple[torch.Tensor, Sequence[int]]:
+    """The arguments of a prefetch or a backup, checked before anything starts.
+
+    Returns:
+        The CPU int64 host slots and the token ids (a list when given a tensor).
+
+    Raises:
+        InvalidInputError: slots that are not allocated page-aligned host
+            slots, tokens that are not ids or not one per slot, a
+            ``prior_hash`` that is not hex, or ``hash_values`` that are not
+            one page hash per page.
+    """
+    page_size = slots.pool.layout.page_size
+    host = check_slot_indices(host_indices, page_size, slots.pool.num_slots, "host_indices")
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.tolist()
+    pack_tokens(token_ids[:page_size])  # type checks the tokens early
+    if len(token_ids) != host.numel():
+        raise InvalidInputError(
+            f"{len(token_ids)} tokens for {host.numel()} host slots: they must be equal"
+        )
+    page_hashes((), page_size, prior_hash)  # checks the prior (no page to hash)
+    if hash_values is not None:
+        if not isinstance(hash_values, list):
+            raise InvalidInputError(
+                f"hash_values must be a list of page hashes, got {type(hash_values).__name__}"
+            )
+        pages = host.numel() // page_size
+        if hash_values and len(hash_values) != pages:
+            raise InvalidInputError(
+                f"{len(hash_values)} hash_values for {pages} pages: give one per page"
+            )
+        namespace.keys(hash_values)  # each a page hash
+    if not slots.allocator.is_allocated(host):
+        raise InvalidInputError("host_indices include slots that are not allocated")
+    return host, token_ids
+
+
 class StorageTier:
     """Prefetch and backup between a host pool and one attached storage backend.
 
@@ -620,21 +665,15 @@ class StorageTier:
         return await finish(job)
 
     def _check_tokens(
-        self, host_indices: torch.Tensor, token_ids: Sequence[int]
+        self,
+        host_indices: torch.Tensor,
+        token_ids: Sequence[int],
+        prior_hash: str | None = None,
+        hash_values: list[str] | None = None,
     ) -> tuple[torch.Tensor, Sequence[int]]:
-        host = check_slot_indices(
-            host_indices, self.page_size, self.slots.pool.num_slots, "host_indices"
+        return check_storage_args(
+            self.slots, self.namespace, host_indices, token_ids, prior_hash, hash_values
         )
-        if isinstance(token_ids, torch.Tensor):
-            token_ids = token_ids.tolist()
-        pack_tokens(token_ids[: self.page_size])  # type checks the tokens early
-        if len(token_ids) != host.numel():
-            raise InvalidInputError(
-                f"{len(token_ids)} tokens for {host.numel()} host slots: they must be equal"
-            )
-        if not self.slots.allocator.is_allocated(host):
-            raise InvalidInputError("host_indices include slots that are not allocated")
-        return host, token_ids
 
     # -- prefetch ---------------------------------------------------------------
 
@@ -659,7 +698,7 @@ class StorageTier:
         Raises:
             InvalidInputError: slots and tokens that do not match, bad tokens.
         """
-        host, tokens = self._check_tokens(host_indices, token_ids)
+        host, tokens = self._check_tokens(host_indices, token_ids, prior_hash)
         if self.down:
             self.stats.skipped_while_down += 1
             self.abstain()
@@ -893,9 +932,9 @@ class StorageTier:
         pile up until it drains them.
 
         Raises:
-            InvalidInputError: slots and tokens that do not match.
+            InvalidInputError: bad arguments (see `check_storage_args`).
         """
-        host, tokens = self._check_tokens(host_indices, token_ids)
+        host, tokens = self._check_tokens(host_indices, token_ids, prior_hash, hash_values)
         check_bool(track, "track")
         op = BackupOperation(
             node_id, host, hash_values or [], self._loop.create_future(), track=track

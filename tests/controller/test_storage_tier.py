@@ -478,3 +478,34 @@ async def test_a_cache_leaves_no_backup_to_drain(tmp_path: Path) -> None:
         await cache.wait_idle()
         assert cache.stats().storage_backups == 4
         assert cache.controller.drain_backup_acks() == []
+
+
+@pytest.mark.parametrize("attached", [True, False])
+async def test_storage_verbs_check_every_argument_at_the_call(attached: bool) -> None:
+    """A bad hash is refused when given, not raised later as a background failure;
+    and the same call gets the same answer with or without a backend attached."""
+    async with make() as c:
+        if attached:
+            await c.attach_storage_backend(MemoryBackend())
+        host = c.host_allocator.alloc(2 * PS)
+        assert host is not None
+        free = c.host_allocator.available
+        tokens = list(range(2 * PS))
+        bad_calls = [
+            lambda: c.prefetch("r", host, tokens, 5),  # type: ignore[arg-type]
+            lambda: c.prefetch("r", host, tokens, "not hex"),
+            lambda: c.prefetch("r", [0] * PS, tokens),  # type: ignore[arg-type]
+            lambda: c.prefetch("r", host, tokens[:PS]),
+            lambda: c.write_storage(host, tokens, 123),  # type: ignore[arg-type]
+            lambda: c.write_storage(host, tokens, hash_values="ab"),  # type: ignore[arg-type]
+            lambda: c.write_storage(host, tokens, hash_values=["ab"]),  # one hash for two pages
+            lambda: c.write_storage(host, tokens, hash_values=["ab", "XY"]),
+            lambda: c.write_storage(host, [-1] * (2 * PS)),
+            lambda: c.write_storage(host, tokens, track="yes"),  # type: ignore[arg-type]
+        ]
+        for call in bad_calls:
+            with pytest.raises(InvalidInputError):
+                call()
+        await asyncio.sleep(0.05)
+        assert c.host_allocator.available == free
+        c.free_host(host)  # no background failure surfaces here
