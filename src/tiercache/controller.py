@@ -1470,9 +1470,17 @@ class TierController(AsyncResource):
         Raises:
             InvalidInputError: bad slots, tokens or ``last_hash`` (see
                 `check_storage_args`).
+            StateError: a copy or a storage call still uses some of
+                ``host_indices`` (the prefetch would overwrite its bytes).
         """
         self._check_open()
-        check_storage_args(self._slots, self.namespace, host_indices, token_ids, last_hash)
+        host, _ = check_storage_args(
+            self._slots, self.namespace, host_indices, token_ids, last_hash
+        )
+        if self._busy_host.any(self._busy_host.pages(host)):
+            raise StateError(
+                "host_indices are in use by a copy or a storage call; prefetch into free slots"
+            )
         if self.storage is None:
             return None
         return self.storage.prefetch(request_id, host_indices, token_ids, last_hash)
@@ -1531,12 +1539,18 @@ class TierController(AsyncResource):
         Raises:
             InvalidInputError: bad slots, tokens, ``hash_value``,
                 ``hash_values`` or ``track`` (see `check_storage_args`).
+            StateError: a device->host copy into some of ``host_indices`` has
+                not settled (its bytes are not there yet: await its ack first).
         """
         self._check_open()
-        check_storage_args(
+        host, _ = check_storage_args(
             self._slots, self.namespace, host_indices, token_ids, hash_value, hash_values
         )
         check_bool(track, "track")
+        if self._writing_host.any(self._writing_host.pages(host)):
+            raise StateError(
+                "a device->host copy into these host slots has not settled; await its ack first"
+            )
         if self.storage is None:
             return None
         return self.storage.write_storage(

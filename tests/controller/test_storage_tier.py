@@ -509,3 +509,47 @@ async def test_storage_verbs_check_every_argument_at_the_call(attached: bool) ->
         await asyncio.sleep(0.05)
         assert c.host_allocator.available == free
         c.free_host(host)  # no background failure surfaces here
+
+
+async def test_storage_verbs_refuse_host_slots_a_copy_still_fills() -> None:
+    """A backup of host slots a device->host copy has not filled yet would store
+    whatever they held before under the tokens' keys; a prefetch into slots a
+    copy or a backup still uses would overwrite them. Both are refused, and
+    the same calls succeed once the copy has settled."""
+    c = make()
+    c.inline_copy_bytes = 0  # through the copy worker: the copy is in flight below
+    async with c:
+        await c.attach_storage_backend(MemoryBackend())
+        tokens = list(range(2 * PS))
+        dev = c.device_allocator.alloc(2 * PS)
+        assert dev is not None
+        ack = c.submit_write(dev)
+        assert ack is not None
+        with pytest.raises(StateError):
+            c.write_storage(ack.host_indices, tokens)
+        with pytest.raises(StateError):
+            c.prefetch("r", ack.host_indices, tokens)
+        await ack
+        backup = c.write_storage(ack.host_indices, tokens, track=False)
+        assert backup is not None
+        with pytest.raises(StateError):  # the backup reads them
+            c.prefetch("r", ack.host_indices, tokens)
+        await backup
+        assert backup.succeeded
+        # What was stored is what the device held.
+        host = c.host_allocator.alloc(2 * PS)
+        assert host is not None
+        op = c.prefetch("r", host, tokens)
+        assert op is not None
+        await op
+        assert op.take_completed()[0] == 2 * PS
+        assert host_bytes(c, host) == host_bytes(c, ack.host_indices)
+        dev_pages = [
+            torch.stack([c.device_pool.buffers[b][layer][dev] for layer in range(2)])
+            for b in range(2)
+        ]
+        loaded = await c.load_back(host)
+        assert loaded is not None
+        for b in range(2):
+            got = torch.stack([c.device_pool.buffers[b][layer][loaded] for layer in range(2)])
+            assert torch.equal(got, dev_pages[b])
