@@ -1348,9 +1348,18 @@ class TierController(AsyncResource):
         return int(host.numel())
 
     async def reset(self) -> None:
-        """Wait for every copy, then free every device and host slot."""
+        """Wait for every copy and storage backup, terminate every prefetch, then free every slot.
+
+        Every device and host slot is freed, those of prefetches that ended
+        before included: nothing still writes or reads a slot once it is free.
+        """
         self._check_open()
-        await self.wait_idle()
+        while True:
+            await self.wait_idle()
+            tier = self.storage
+            if tier is None or not tier.busy:
+                break
+            await tier.terminate_all()
         for op in self._load_queue:
             self._mark_busy(op, -1)
             op.ack._settle(asyncio.CancelledError())

@@ -909,6 +909,17 @@ class StorageTier:
         await op.wait()
         return op.take_completed()
 
+    async def terminate_all(self) -> None:
+        """Terminate every prefetch and wait for every backup; the tier stays attached.
+
+        Returns once no prefetch or backup is running (a reconnect probe may
+        go on). The prefetches' completed prefixes are handed over (to be
+        freed by the caller, as `TierController.reset` does).
+        """
+        while self._ops or self._backups:
+            await asyncio.gather(*(self.terminate_prefetch(op) for op in list(self._ops)))
+            await self.wait_idle()
+
     # -- backup ---------------------------------------------------------------
 
     def write_storage(

@@ -553,3 +553,32 @@ async def test_storage_verbs_refuse_host_slots_a_copy_still_fills() -> None:
         for b in range(2):
             got = torch.stack([c.device_pool.buffers[b][layer][loaded] for layer in range(2)])
             assert torch.equal(got, dev_pages[b])
+
+
+async def test_reset_waits_for_storage_work_before_it_frees_the_host() -> None:
+    """A prefetch or backup in flight still writes or reads its host slots:
+    reset ends them before it frees every slot, so no slot is freed under them."""
+    c = make(io_batch_pages=1)
+    async with c:
+        slow = FaultyBackend(
+            MemoryBackend(), FaultPlan((FaultSpec(FaultKind.LATENCY, delay=0.2, ops=("get",)),))
+        )
+        await c.attach_storage_backend(slow)
+        tokens = list(range(4 * PS))
+        stored, _ = await store(c, tokens)
+        host = c.host_allocator.alloc(4 * PS)
+        assert host is not None
+        op = c.prefetch("r", host, tokens)
+        backup = c.write_storage(stored, tokens, track=False)
+        assert op is not None and backup is not None
+        await asyncio.sleep(0.05)  # the prefetch's reads are in flight
+        assert not op.done()
+        await c.reset()
+        assert op.done() and backup.done()
+        assert not c.ack_busy("host", host) and not c.ack_busy("host", stored)
+        assert c.host_allocator.available == c.host_allocator.num_slots
+        await asyncio.sleep(0.3)  # nothing frees (or fills) a slot after the reset
+        assert c.host_allocator.available == c.host_allocator.num_slots
+        again = c.host_allocator.alloc(4 * PS)
+        assert again is not None
+        c.free_host(again)
