@@ -551,6 +551,8 @@ class TierController(AsyncResource):
         self._write_start_scheduled = False
         self._load_start_scheduled = False
         self._finished: deque[CopyAck] = deque()
+        #: Tracked backups ended by (or before) a detach, not drained yet.
+        self._detached_backups: deque[BackupOperation] = deque()
         self._inflight = 0  # copy jobs started and not yet settled on the loop
         self._closed = asyncio.Event()
         self._ids = itertools.count()
@@ -623,6 +625,7 @@ class TierController(AsyncResource):
             await self.wait_idle()
         finally:
             await self._close_streams()
+        self._detached_backups.clear()  # nobody drains a closed controller
         if self._owns_tasks:
             await self.tasks.aclose()
 
@@ -1448,6 +1451,9 @@ class TierController(AsyncResource):
             if tier is None:
                 return False
             await tier.stop()
+            # Tracked backups that ended (the detach ended those in flight)
+            # are still reported once, by `drain_backup_acks`.
+            self._detached_backups.extend(tier.drain_backup_acks())
             logger.info("storage backend %s detached", tier.backend.name)
             return True
 
@@ -1572,7 +1578,16 @@ class TierController(AsyncResource):
         )
 
     def drain_backup_acks(self) -> list[BackupOperation]:
-        return [] if self.storage is None else self.storage.drain_backup_acks()
+        """Tracked backups that ended since the last call, oldest first (non-blocking).
+
+        Backups that a detach ended (or that ended before it) are reported
+        too, so a caller that waits for its backups here never misses one.
+        """
+        out = list(self._detached_backups)
+        self._detached_backups.clear()
+        if self.storage is not None:
+            out.extend(self.storage.drain_backup_acks())
+        return out
 
     def __repr__(self) -> str:
         return f"TierController({self.layout.describe()}, state={self.state.value})"

@@ -1050,6 +1050,7 @@ class StorageTier:
 
         Returns once no coroutine of the tier is running and every host slot
         it held is freed. Idempotent. The backend is closed when the tier owns it.
+        Tracked backups it ended are still reported by `drain_backup_acks`.
         """
         if self._closing:
             return
@@ -1064,7 +1065,6 @@ class StorageTier:
         self._probe = None
         self._loads.clear()
         self._backups.clear()
-        self._finished_backups.clear()  # nobody drains a stopped tier
         # Operations still queued for the query loop never started: end them now.
         for op in list(self._ops):
             self._end(op, PrefetchState.TERMINATED)

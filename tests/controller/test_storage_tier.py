@@ -582,3 +582,24 @@ async def test_reset_waits_for_storage_work_before_it_frees_the_host() -> None:
         again = c.host_allocator.alloc(4 * PS)
         assert again is not None
         c.free_host(again)
+
+
+async def test_backups_a_detach_ends_are_still_drained() -> None:
+    """An engine that learns of ended backups from `drain_backup_acks` hears of
+    those the detach ended, and of those that ended unread before it."""
+    async with make() as c:
+        slow = FaultyBackend(
+            MemoryBackend(), FaultPlan((FaultSpec(FaultKind.LATENCY, delay=0.5, ops=("set",)),))
+        )
+        await c.attach_storage_backend(MemoryBackend())
+        tokens = list(range(2 * PS))
+        host, _ = await store(c, tokens)  # tracked, ended, not drained
+        await c.detach_storage_backend()
+        await c.attach_storage_backend(slow)
+        op = c.write_storage(host, list(range(100, 100 + 2 * PS)), node_id="in flight")
+        assert op is not None
+        await asyncio.sleep(0.05)
+        await c.detach_storage_backend()
+        assert op.done() and not op.succeeded
+        assert [a.node_id for a in c.drain_backup_acks()] == [None, "in flight"]
+        assert c.drain_backup_acks() == []
