@@ -195,6 +195,26 @@ async def test_layer_done_counter_rotates_three_sets() -> None:
         counter.set_consumer(3)
 
 
+@pytest.mark.parametrize("index", ["1", 1.0, None, True])
+async def test_a_consumer_index_that_is_not_an_int_is_refused(index: object) -> None:
+    counter = LayerDoneCounter(2)
+    with pytest.raises(InvalidInputError):
+        counter.set_consumer(index)  # type: ignore[arg-type]
+    assert counter.consumer_index == -1
+
+
+@pytest.mark.parametrize("bad", ["1", -1.0, float("nan"), True])
+async def test_wait_layer_refuses_a_bad_timeout(bad: object) -> None:
+    done = LayerDoneCounter(2).update_producer(asyncio.get_running_loop())[1]
+    done.mark_done(0)
+
+    def wait() -> None:
+        done.wait_sync(0, bad)  # type: ignore[arg-type]
+
+    with pytest.raises(InvalidInputError):
+        await asyncio.to_thread(wait)
+
+
 async def test_merged_writes_priorities_and_drained_acks() -> None:
     async with make(auto_start_writes=False) as c:
         slots = [c.device_allocator.alloc(16) for _ in range(3)]

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from tiercache._checks import check_int, check_number
 from tiercache.errors import InvalidInputError, StateError
 
 __all__ = ["LayerDoneCounter", "LayerDoneSet"]
@@ -238,11 +239,15 @@ class LayerDoneSet:
         For a synchronous forward pass running in a worker thread.
 
         Raises:
+            InvalidInputError: a bad ``layer``, or a ``timeout`` that is not a
+                non-negative number or ``None``.
             StateError: called on the event loop's own thread (it would deadlock),
                 or ``timeout`` expired.
             Exception: the load's error, if it failed.
         """
         self._check(layer)
+        if timeout is not None:
+            timeout = check_number(timeout, "timeout")
         if threading.get_ident() == self._loop_thread:
             raise StateError(
                 "wait_sync on the event loop thread would deadlock; await the layer instead"
@@ -311,6 +316,12 @@ class LayerDoneCounter:
         return self.producer_index, done
 
     def set_consumer(self, index: int) -> None:
+        """Name the set the forward pass reads (a ``producer_id`` of a `LoadHandle`).
+
+        Raises:
+            InvalidInputError: ``index`` is not an int in ``[0, num_counters)``.
+        """
+        index = check_int(index, "consumer index")
         if not 0 <= index < self.num_counters:
             raise InvalidInputError(
                 f"consumer index must be in [0, {self.num_counters}), got {index}"
