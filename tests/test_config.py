@@ -224,3 +224,23 @@ def test_storage_options_from_env_must_be_key_value_pairs(raw: str) -> None:
 def test_storage_options_from_env_may_be_empty() -> None:
     for raw in ("", " ", ","):
         assert TierCacheConfig.from_env({"TIERCACHE_STORAGE_OPTIONS": raw}).storage_options == {}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"storage_reconnect_backoff_max_s": 0},
+        {"storage_reconnect_backoff_s": 2.0, "storage_reconnect_backoff_max_s": 1.0},
+        {"storage_reconnect_backoff_s": 60.0},  # above the default maximum of 30 s
+    ],
+)
+def test_a_reconnect_backoff_maximum_below_its_first_delay_is_refused(
+    kwargs: dict[str, object],
+) -> None:
+    # The probes back off from the first delay up to the maximum: a maximum
+    # below it (or 0) would make every probe after the first come sooner.
+    with pytest.raises(ConfigError, match="storage_reconnect_backoff_max_s"):
+        TierCacheConfig(**kwargs)  # type: ignore[arg-type]
+    assert TierCacheConfig(
+        storage_reconnect_backoff_s=2.0, storage_reconnect_backoff_max_s=2.0
+    ).storage_tier_config()

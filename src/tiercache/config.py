@@ -59,7 +59,9 @@ _NUMBER_FIELDS = (
     "alloc_timeout_s",
 )
 #: Of those, the ones that must be above 0.
-_POSITIVE_FIELDS = frozenset({"storage_timeout_s", "storage_reconnect_backoff_s"})
+_POSITIVE_FIELDS = frozenset(
+    {"storage_timeout_s", "storage_reconnect_backoff_s", "storage_reconnect_backoff_max_s"}
+)
 #: Fields that name one of a fixed set of policies.
 _CHOICE_FIELDS: dict[str, tuple[str, ...]] = {
     "write_policy": WRITE_POLICIES,
@@ -130,7 +132,8 @@ class TierCacheConfig:
         failed backend calls, ``auto_reconnect`` (default) stops calling the
         backend — prefetches miss at once, backups are skipped — and probes it
         with exponential backoff from ``storage_reconnect_backoff_s`` up to
-        ``storage_reconnect_backoff_max_s``, resuming when it answers;
+        ``storage_reconnect_backoff_max_s`` (not below the first; both
+        above 0), resuming when it answers;
         ``auto_detach`` detaches it; ``none`` keeps calling it.
     """
 
@@ -234,6 +237,12 @@ class TierCacheConfig:
                 )
         if self.host_tokens is not None and self.host_size_bytes is not None:
             raise ConfigError("give host_tokens or host_size_bytes, not both")
+        if self.storage_reconnect_backoff_max_s < self.storage_reconnect_backoff_s:
+            raise ConfigError(
+                f"storage_reconnect_backoff_max_s={self.storage_reconnect_backoff_max_s:g} must be "
+                f"at least storage_reconnect_backoff_s={self.storage_reconnect_backoff_s:g}: "
+                "the probes back off from one up to the other"
+            )
 
     # -- derived --------------------------------------------------------------
 

@@ -177,6 +177,12 @@ class StorageTierConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
                 raise ConfigError(f"{name} must be a positive number, got {v!r}")
+        if self.reconnect_backoff_max_s < self.reconnect_backoff_s:
+            raise ConfigError(
+                f"reconnect_backoff_max_s={self.reconnect_backoff_max_s:g} must be at least "
+                f"reconnect_backoff_s={self.reconnect_backoff_s:g}: the probes back off from "
+                "one up to the other"
+            )
 
 
 @dataclass(slots=True)

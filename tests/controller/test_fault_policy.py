@@ -133,6 +133,12 @@ async def test_cache_stats_show_outages() -> None:
         assert cache.controller.storage is not None and cache.controller.storage.down
 
 
+def test_a_reconnect_backoff_maximum_below_its_first_delay_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="reconnect_backoff_max_s"):
+        StorageTierConfig(reconnect_backoff_s=1.0, reconnect_backoff_max_s=0.5)
+    StorageTierConfig(reconnect_backoff_s=1.0, reconnect_backoff_max_s=1.0)
+
+
 def test_bad_fault_policy_is_a_config_error() -> None:
     with pytest.raises(ConfigError):
         StorageTierConfig(fault_policy="retry_forever")

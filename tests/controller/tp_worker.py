@@ -31,6 +31,7 @@ async def main(rank: int, world: int, init: str, stored_pages: int, mode: str) -
         prefetch_threshold=PS,
         fault_threshold=1,
         reconnect_backoff_s=60.0,  # once down, it stays down for the test
+        reconnect_backoff_max_s=60.0,
         prefetch_capacity_tokens=8 * PS if mode == "limited" else None,
     )
     ctl = TierController(
