@@ -333,6 +333,52 @@ async def test_storage_outage_and_reconnect_show_in_fault_state_metrics() -> Non
             await collector.aclose()
 
 
+async def test_storage_counters_do_not_go_down_when_the_backend_is_detached() -> None:
+    """Prometheus counters only grow: the counts of a detached backend stay in the totals."""
+    registry = CollectorRegistry()
+    config = _config(
+        prefetch_threshold=4,
+        prefetch_policy="wait_complete",
+        storage_fault_policy="auto_detach",
+        storage_fault_threshold=2,
+    )
+    async with TierCache(config) as cache:
+        collector = tiercache.metrics.register(cache, registry, watch_loop=False)
+        try:
+            await cache.attach_storage(MemoryBackend())
+            prompt = list(range(17))
+            async with cache.request(prompt) as req:
+                slots = await req.alloc(len(prompt))
+                await req.commit(prompt, slots)
+            await cache.wait_idle()
+            written = cache.stats().bytes_storage_written
+            assert written > 0
+            await cache.detach_storage()  # by hand
+            assert cache.stats().bytes_storage_written == written
+            faulty = FaultyBackend(MemoryBackend())
+            await cache.attach_storage(faulty)
+            faulty.fail_all(True)
+            for i in range(2):  # two failed queries: the fault policy detaches it
+                await cache.prefetch(list(range(100 + i, 117 + i)))
+            await cache.wait_idle()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while cache.controller.storage is not None:  # the detach runs in the background
+                assert loop.time() < deadline, "the fault policy never detached the backend"
+                await asyncio.sleep(0.01)
+            s = cache.stats()
+            assert s.storage_auto_detaches == 1
+            assert s.storage_errors == 2 and s.bytes_storage_written == written
+            samples = _parse((await asyncio.to_thread(generate_latest, registry)).decode())
+            assert _get(samples, "tiercache_storage_errors_total") == 2
+            assert _get(samples, "tiercache_transfer_bytes_total", direction="host_to_storage") == (
+                written
+            )
+            assert _get(samples, "tiercache_storage_attached") == 0
+        finally:
+            await collector.aclose()
+
+
 def test_register_from_an_engine_thread_with_the_adapter_loop() -> None:
     """How an engine adapter registers: from the engine's thread, naming the loop it owns."""
     loop = asyncio.new_event_loop()

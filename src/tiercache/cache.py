@@ -189,7 +189,11 @@ class CacheState(enum.Enum):
 
 @dataclass(slots=True)
 class CacheStats:
-    """What the cache did. Token counts are per matched request."""
+    """What the cache did. Token counts are per matched request.
+
+    Every count only grows: the storage ones add up every backend attached so
+    far (a detached backend keeps its counts here).
+    """
 
     requests: int = 0
     tokens_requested: int = 0
@@ -1713,17 +1717,16 @@ class TierCache(AsyncResource):
         if ctl is not None:
             s.bytes_device_to_host = ctl.stats.bytes_device_to_host
             s.bytes_host_to_device = ctl.stats.bytes_host_to_device
-            if ctl.storage is not None:
-                st = ctl.storage.stats
-                s.bytes_storage_read = st.bytes_read
-                s.bytes_storage_written = st.bytes_written
-                s.prefetch_revoked = st.prefetch_revoked
-                s.prefetch_terminated = st.prefetch_terminated
-                s.prefetch_completed = st.prefetch_completed
-                s.prefetch_failed = st.prefetch_failed
-                s.storage_errors = st.storage_errors + st.storage_timeouts
-                s.storage_outages = st.outages
-                s.storage_reconnects = st.reconnects
+            st = ctl.storage_stats()  # every backend attached so far: never goes down
+            s.bytes_storage_read = st.bytes_read
+            s.bytes_storage_written = st.bytes_written
+            s.prefetch_revoked = st.prefetch_revoked
+            s.prefetch_terminated = st.prefetch_terminated
+            s.prefetch_completed = st.prefetch_completed
+            s.prefetch_failed = st.prefetch_failed
+            s.storage_errors = st.storage_errors + st.storage_timeouts
+            s.storage_outages = st.outages
+            s.storage_reconnects = st.reconnects
             s.storage_auto_detaches = ctl.stats.storage_auto_detaches
             s.extra = {
                 "device_tokens_cached": float(self.index.total_device_tokens()),

@@ -48,6 +48,7 @@ from tiercache.storage_tier import (
     PrefetchOperation,
     StorageTier,
     StorageTierConfig,
+    StorageTierStats,
     check_storage_args,
     collective_device,
 )
@@ -538,6 +539,9 @@ class TierController(AsyncResource):
         self.storage_config = storage_config or StorageTierConfig()
         self.storage: StorageTier | None = None
         self._storage_lock = asyncio.Lock()
+        # The counts of the tiers detached so far, and of those being detached.
+        self._past_storage = StorageTierStats()
+        self._detaching: list[StorageTier] = []
         self._owns_tasks = tasks is None
         self.tasks = TaskGroup("controller") if tasks is None else tasks
         self._settle_callbacks: list[Callable[[], None]] = []
@@ -1382,6 +1386,20 @@ class TierController(AsyncResource):
     def storage_attached(self) -> bool:
         return self.storage is not None
 
+    def storage_stats(self) -> StorageTierStats:
+        """The storage counters of every backend attached so far, summed.
+
+        Detaching a backend (by hand or by the ``auto_detach`` fault policy)
+        keeps its counts: these totals never go down, as the monitoring
+        counters built on them must not.
+        """
+        total = StorageTierStats()
+        total.add(self._past_storage)
+        for tier in (*self._detaching, self.storage):
+            if tier is not None:
+                total.add(tier.stats)
+        return total
+
     async def attach_storage_backend(
         self, backend: StorageBackend | str, **options: Any
     ) -> StorageBackend:
@@ -1450,7 +1468,12 @@ class TierController(AsyncResource):
             tier, self.storage = self.storage, None
             if tier is None:
                 return False
-            await tier.stop()
+            self._detaching.append(tier)
+            try:
+                await tier.stop()
+            finally:
+                self._detaching.remove(tier)
+                self._past_storage.add(tier.stats)
             # Tracked backups that ended (the detach ended those in flight)
             # are still reported once, by `drain_backup_acks`.
             self._detached_backups.extend(tier.drain_backup_acks())

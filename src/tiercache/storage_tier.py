@@ -187,6 +187,8 @@ class StorageTierConfig:
 
 @dataclass(slots=True)
 class StorageTierStats:
+    """Counters of one storage tier (`TierController.storage_stats` sums them over tiers)."""
+
     prefetch_started: int = 0
     prefetch_rate_limited: int = 0
     prefetch_revoked: int = 0
@@ -207,6 +209,11 @@ class StorageTierStats:
     reconnects: int = 0
     auto_detaches: int = 0
     skipped_while_down: int = 0
+
+    def add(self, other: StorageTierStats) -> None:
+        """Add ``other``'s counts to these (totals over several tiers)."""
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 class HostSlots(Protocol):
