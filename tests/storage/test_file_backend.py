@@ -91,6 +91,25 @@ async def test_pages_and_lru_order_survive_a_restart(tmp_path: Path) -> None:
     assert not await asyncio.to_thread(page_path(root, ks[0]).exists)
 
 
+async def test_a_read_counts_as_a_use_after_a_restart(tmp_path: Path) -> None:
+    """LRU, not FIFO, across a restart: a page read recently outlives one written later."""
+    root = tmp_path / "store"
+    ks = keys(3)
+    async with await FileBackend.open(root) as b:
+        await b.batch_set(ks, [random_page() for _ in ks])
+    size = (await asyncio.to_thread(os.stat, page_path(root, ks[0]))).st_size
+    now = time.time()
+    for age, k in zip((300, 200, 100), ks, strict=True):  # written ks[0] first
+        await asyncio.to_thread(os.utime, page_path(root, k), (now - age, now - age))
+    async with await FileBackend.open(root, capacity_bytes=3 * size) as b:
+        assert await b.batch_get(ks[:1], [PageBuffer.allocate(512, FORMAT)]) == [True]
+    async with await FileBackend.open(root, capacity_bytes=2 * size) as b:
+        assert (await b.stats()).evictions == 1
+    # ks[1] is the least recently used: written early and never read.
+    exists = [await asyncio.to_thread(page_path(root, k).exists) for k in ks]
+    assert exists == [True, False, True]
+
+
 async def test_pages_written_by_another_instance_are_found(tmp_path: Path) -> None:
     root = tmp_path / "store"
     async with await FileBackend.open(root) as reader, await FileBackend.open(root) as writer:

@@ -74,8 +74,9 @@ thread touches the caller's pages after it regains control.
 
 **The index.** The backend keeps, on the event loop thread, an ``OrderedDict``
 of key to file size in least-recently-used order: the scan at open fills it
-from the tree (ordered by file mtime, so LRU survives a restart), writes,
-reads and ``batch_exists`` keep it current. It is a positive cache:
+from the tree (ordered by file mtime, so LRU survives a restart: with
+``capacity_bytes`` a read sets its file's mtime to now), writes, reads and
+``batch_exists`` keep it current. It is a positive cache:
 ``batch_exists`` counts indexed keys without IO and stats the first key it
 does not know (which adopts pages written by another process); a page deleted
 by another process stays in the index until a read misses it, and a miss in
@@ -684,6 +685,8 @@ class FileBackend(StorageBackend):
                 return _Result("corrupt", detail="a symbolic link stands where the page should be")
             try:
                 result = self._read_fd(fd, key, page)
+                if result.status == "hit" and self.capacity_bytes is not None:
+                    _touch(fd)
             except StorageCorruptionError as e:
                 result = _Result("corrupt", detail=str(e))
             finally:
@@ -897,6 +900,18 @@ class FileBackend(StorageBackend):
             _remove_page_files(shard, rmdir=False)
             for old in _list_dirs(shard):
                 _remove_page_files(Path(old.path), rmdir=True)
+
+
+def _touch(fd: int) -> None:
+    """Set an open page file's mtime to now: the scan at open orders pages by it (LRU).
+
+    Best effort: a file this process may not change (another user's, a
+    read-only mount) keeps its time, and the read still counts as a hit.
+    """
+    try:
+        os.utime(fd)
+    except OSError:
+        pass
 
 
 def _unlink(path: str | Path) -> bool:
