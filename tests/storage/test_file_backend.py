@@ -248,6 +248,44 @@ async def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
         assert len(await asyncio.to_thread(all_files, root)) == 3
 
 
+async def test_a_batch_larger_than_the_capacity_stays_under_it(tmp_path: Path) -> None:
+    """The batch's own pages in flight cannot be evicted: the leading pages that fit are stored."""
+    root = tmp_path / "store"
+    ks = keys(3)
+    async with await FileBackend.open(root) as probe:
+        await probe.batch_set(ks[:1], [random_page()])
+        size = (await asyncio.to_thread(os.stat, page_path(root, ks[0]))).st_size
+        await probe.clear()
+    async with await FileBackend.open(root, capacity_bytes=2 * size) as b:
+        assert await b.batch_set(ks, [random_page() for _ in ks]) == [True, True, False]
+        assert (await b.stats()).extra["bytes"] == 2 * size
+        assert len(await asyncio.to_thread(all_files, root)) == 2
+        assert await b.batch_set(ks[2:], [random_page()]) == [True]  # evicts ks[0]
+        assert len(await asyncio.to_thread(all_files, root)) == 2
+
+
+async def test_capacity_is_per_backend_when_two_share_a_root(tmp_path: Path) -> None:
+    """As documented: each bounds what it knows, so the tree holds up to both capacities."""
+    root = tmp_path / "store"
+    ka, kb = keys(3), keys(3)
+    async with await FileBackend.open(root) as probe:
+        await probe.batch_set(ka[:1], [random_page()])
+        size = (await asyncio.to_thread(os.stat, page_path(root, ka[0]))).st_size
+        await probe.clear()
+    a = await FileBackend.open(root, capacity_bytes=2 * size)
+    b = await FileBackend.open(root, capacity_bytes=2 * size)
+    async with a, b:
+        for k in ka:
+            await a.batch_set([k], [random_page()])
+        for k in kb:
+            await b.batch_set([k], [random_page()])
+        assert (await a.stats()).extra["bytes"] == (await b.stats()).extra["bytes"] == 2 * size
+        assert len(await asyncio.to_thread(all_files, root)) == 4
+    async with await FileBackend.open(root, capacity_bytes=2 * size) as c:
+        assert (await c.stats()).extra["bytes"] == 2 * size  # a restart bounds them all
+    assert len(await asyncio.to_thread(all_files, root)) == 2
+
+
 async def test_files_and_directories_are_private(tmp_path: Path) -> None:
     root = tmp_path / "store"
     async with await FileBackend.open(root) as b:

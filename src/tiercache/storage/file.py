@@ -82,7 +82,13 @@ does not know (which adopts pages written by another process); a page deleted
 by another process stays in the index until a read misses it, and a miss in
 ``batch_get`` is the truth. With ``capacity_bytes`` it is also the accounting:
 a write reserves its size first and evicts least-recently-used files until
-the total fits, so the tree stays under the bound even with writes in flight.
+the total fits, so the tree stays under the bound even with writes in flight
+(a page that does not fit beside the writes in flight, those of its own
+batch included, is not stored).
+The bound is per open backend, over the pages its index holds: backends in
+other processes sharing the root write pages this one does not count, so
+two processes with ``capacity_bytes=C`` each may fill up to ``2 * C``
+(give each its share of the disk).
 """
 
 from __future__ import annotations
@@ -222,8 +228,9 @@ class FileBackend(StorageBackend):
 
     Args:
         root: directory of the store; created (mode ``dir_mode``) when missing.
-        capacity_bytes: the most bytes of page files kept (``None``: unbounded);
-            needs ``scan``.
+        capacity_bytes: the most bytes of page files this backend keeps
+            (``None``: unbounded); needs ``scan``. Per backend: processes
+            sharing ``root`` each bound the pages they know of.
         fsync: fsync each page file and its directory before publishing it
             (durable across power loss; much slower).
         max_concurrency: page jobs run at once (threads of this backend);
@@ -281,7 +288,8 @@ class FileBackend(StorageBackend):
             self.max_concurrency, thread_name_prefix="tiercache-file"
         )
         self._index: OrderedDict[str, int] = OrderedDict()
-        self._used = 0
+        self._used = 0  # bytes of the indexed pages and of the writes in flight
+        self._in_flight = 0  # bytes reserved by writes in flight (bounded backends)
         self._started = False
         self._start_lock = asyncio.Lock()
         #: Whether unnamed temporary files (O_TMPFILE + linkat) work under root; set by start.
@@ -572,7 +580,13 @@ class FileBackend(StorageBackend):
                 if size > self.capacity_bytes:
                     logger.debug("file backend: page %s (%d bytes) exceeds the capacity", k, size)
                     continue
+                if self._in_flight + size > self.capacity_bytes:
+                    # Writes in flight (this batch's earlier pages included) hold the
+                    # rest, and they cannot be evicted: this page is not stored.
+                    logger.debug("file backend: no room for page %s beside writes in flight", k)
+                    continue
                 self._used += size
+                self._in_flight += size
                 victims += self._pick_victims(0)
             seen.add(k)
             todo.append((i, size))
@@ -582,6 +596,7 @@ class FileBackend(StorageBackend):
         """Give back bytes that `_plan_writes` reserved (only a bounded backend reserves)."""
         if self.capacity_bytes is not None:
             self._used -= reserved
+            self._in_flight -= reserved
 
     def _account_write(self, key: str, reserved: int, r: _Result) -> bool:
         """Fold one page write into the index and the stats; whether the key is stored."""
