@@ -985,8 +985,15 @@ class StorageTier:
         except StorageError as e:
             self.stats.backup_failed += 1
             op.error = _untraced(e)
-            logger.warning(
-                "backup of %r ended early after %d tokens: %s", op.node_id, op.completed_tokens, e
+            # While the backend is down, the outage was logged once (and so
+            # will its end be): a warning for every backup it skips would flood
+            # the log of a busy server.
+            logger.log(
+                logging.DEBUG if self.down else logging.WARNING,
+                "backup of %r ended early after %d tokens: %s",
+                op.node_id,
+                op.completed_tokens,
+                e,
             )
         except asyncio.CancelledError:
             # A new one: the one raised carries this frame, which holds ``op``.

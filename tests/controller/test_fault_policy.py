@@ -84,6 +84,34 @@ async def test_auto_reconnect_stops_calling_a_down_backend_and_resumes(
         assert c.host_allocator.available == c.host_allocator.num_slots - 2 * PS
 
 
+async def test_backups_skipped_during_an_outage_do_not_each_log_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with make("auto_reconnect") as c:
+        faulty = FaultyBackend(MemoryBackend())
+        await c.attach_storage_backend(faulty)
+        tier = c.storage
+        assert tier is not None
+        faulty.fail_all(True)
+        await failing_prefetches(c, 3)
+        assert tier.down
+        d = c.device_allocator.alloc(2 * PS)
+        assert d is not None
+        host = await c.backup(d)
+        assert host is not None
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="tiercache"):
+            for i in range(20):
+                b = c.write_storage(host, list(range(i, i + 2 * PS)))
+                assert b is not None
+                await b
+                assert not b.succeeded
+        assert tier.stats.skipped_while_down >= 20
+        skipped = [r for r in caplog.records if "ended early" in r.getMessage()]
+        assert len(skipped) == 20 and {r.levelno for r in skipped} == {logging.DEBUG}
+        c.free_host(host)
+
+
 async def test_auto_detach_detaches_after_consecutive_failures(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
