@@ -16,8 +16,9 @@ An engine's request goes::
 
 or uses the verbs `match_prefix`, `load_back`, `prefetch`, `alloc_device`,
 `insert`, `lock` / `unlock` directly. Every method runs on the loop that
-opened the cache; the bookkeeping is synchronous, so an ``await`` never
-interrupts it halfway.
+opened the cache (a call from another thread or loop is a `StateError`;
+`Request.layer_ready` is the one verb meant for a worker thread); the
+bookkeeping is synchronous, so an ``await`` never interrupts it halfway.
 
 Three rules hold at every verb:
 
@@ -46,6 +47,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
@@ -322,6 +324,9 @@ class TierCache(AsyncResource):
         self._own: set[asyncio.Task[Any]] = set()
         self._forget_settle: Callable[[], None] = _nothing
         self._open_requests = 0
+        # The loop that opened the cache: every verb runs on it (see `_check`).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: int | None = None
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -397,6 +402,8 @@ class TierCache(AsyncResource):
         self._forget_settle = ctl.add_settle_callback(self._notify_room)
         self._index_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
         self._request_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
         self.state = CacheState.OPEN
         return self
 
@@ -428,6 +435,22 @@ class TierCache(AsyncResource):
             finally:
                 await self.tasks.aclose()
 
+    def _check_loop(self) -> None:
+        """Raise `StateError` unless called on the loop that opened the cache.
+
+        A synchronous verb may also be called on that loop's thread while the
+        loop is not running (between ``run_until_complete`` calls).
+        """
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not self._loop and (loop is not None or threading.get_ident() != self._thread):
+            raise StateError(
+                "TierCache is not thread-safe: call it on the event loop that opened it "
+                "(from another thread, use asyncio.run_coroutine_threadsafe)"
+            )
+
     async def _join_own(self) -> None:
         """Wait for the cache's own background tasks (not the storage tier's), those started meanwhile too."""
         while self._own:
@@ -444,9 +467,12 @@ class TierCache(AsyncResource):
 
         Raises:
             StateError / ClosedError: the cache is not open.
+            StateError: called from another thread or event loop than the one
+                that opened the cache (nothing is changed).
             StateError: a background task failed since the last call (raised once).
         """
         ctl = self.controller
+        self._check_loop()
         if self._pending_loads:
             self._settle_loads()
         self.tasks.raise_failure()
@@ -1801,7 +1827,10 @@ class Request:
             Exception: the copy's error when a load of the prefix failed. The
                 index no longer claims those pages on the device by then; the
                 request cannot `commit`, and the next request loads them again.
+            StateError: called from another thread or event loop than the
+                cache's.
         """
+        self.cache._check_loop()
         for h in self.loads:
             try:
                 await h

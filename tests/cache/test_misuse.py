@@ -442,3 +442,49 @@ async def test_slots_an_open_request_owns_are_only_its_own_to_commit_or_free() -
         check_accounting(c)
         assert not c._request_pages.any()
         assert await serve(c, [*P, 2]) == 32
+
+
+# -- the loop that opened the cache ------------------------------------------------------
+
+
+async def test_calls_from_another_thread_or_loop_are_refused() -> None:
+    """The bookkeeping is not thread-safe: a call off the cache's loop is a `StateError`."""
+    P = list(range(700, 732))
+    async with TierCache(config()) as c:
+        await serve(c, [*P, 1])
+        await c.wait_idle()
+        node = c.match_prefix(P).index.last_node
+        async with c.request([*P, 2]) as req:
+            slots = await req.alloc(1)
+            tokens, indices = [*P, 2], torch.cat([req.prefix_indices, slots])
+            before = snapshot(c, req)
+
+            def elsewhere() -> list[str]:
+                out = []
+                calls: list[Callable[[], Any]] = [
+                    lambda: c.match_prefix(P),
+                    lambda: c.lock(node),
+                    lambda: c.free_device(slots),
+                    lambda: asyncio.run(c.alloc_device(PS)),
+                    lambda: asyncio.run(c.insert(P, indices[:32])),
+                    lambda: asyncio.run(serve(c, [*P, 3])),
+                    lambda: asyncio.run(req.alloc(PS)),
+                    lambda: asyncio.run(req.commit(tokens, indices)),
+                    lambda: asyncio.run(req.wait_loaded()),
+                ]
+                for call in calls:
+                    try:
+                        call()
+                    except StateError as e:
+                        out.append(str(e))
+                return out
+
+            errors = await asyncio.to_thread(elsewhere)
+            assert len(errors) == 9
+            assert all("event loop that opened it" in e for e in errors)
+            assert snapshot(c, req) == before
+            req.layer_ready(0)  # meant for worker threads: no load is pending here
+            await asyncio.to_thread(req.layer_ready, 1)
+            assert await req.commit(tokens, indices) == 32
+        await c.wait_idle()
+        check_accounting(c)
