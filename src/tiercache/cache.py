@@ -324,6 +324,8 @@ class TierCache(AsyncResource):
         self._own: set[asyncio.Task[Any]] = set()
         self._forget_settle: Callable[[], None] = _nothing
         self._open_requests = 0
+        # Locks taken with `lock` and not yet released by `unlock`, per node.
+        self._locks: dict[Node, int] = {}
         # The loop that opened the cache: every verb runs on it (see `_check`).
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: int | None = None
@@ -526,20 +528,35 @@ class TierCache(AsyncResource):
     def lock(self, node: Node) -> None:
         """Keep ``node`` and its ancestors from eviction (a request is using them).
 
+        Each `lock` is released by one `unlock` of the same node.
+
         Raises:
             InvalidInputError: not a `Node`. StateError: not in the index.
         """
         self._check()
         self.index.lock(node)
+        self._locks[node] = self._locks.get(node, 0) + 1
 
     def unlock(self, node: Node) -> None:
-        """Release a `lock`.
+        """Release a `lock` of ``node``.
+
+        Only locks taken with `lock` are released here: the locks the cache
+        takes itself (an open request's prefix, a copy or load in flight)
+        are not the caller's to drop.
 
         Raises:
-            InvalidInputError: not a `Node`. StateError: not locked, or not in the index.
+            InvalidInputError: not a `Node`. StateError: ``node`` holds no
+                `lock` (nothing is changed), or is not in the index.
         """
         self._check()
+        held = self._locks.get(node, 0)
+        if held <= 0:
+            raise StateError(f"unlock of {node}: it holds no lock taken with TierCache.lock")
         self.index.unlock(node)
+        if held == 1:
+            del self._locks[node]
+        else:
+            self._locks[node] = held - 1
         self._notify_room()
 
     # -- device allocation and eviction ----------------------------------------
@@ -1669,7 +1686,8 @@ class TierCache(AsyncResource):
             try:
                 await self.prefetch(key, m, request_id=request_id)
             finally:
-                self.unlock(held)
+                self.index.unlock(held)
+                self._notify_room()
             m = self.match_prefix(key, extra_key)
         prefix, handle = await self._load_back(m, own=-1, fresh=True)
         node = self.index.match_prefix(

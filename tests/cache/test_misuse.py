@@ -488,3 +488,28 @@ async def test_calls_from_another_thread_or_loop_are_refused() -> None:
             assert await req.commit(tokens, indices) == 32
         await c.wait_idle()
         check_accounting(c)
+
+
+async def test_unlock_releases_only_locks_taken_with_lock() -> None:
+    """A stray `unlock` must not drop a request's lock: its prefix would be evicted under it."""
+    P = list(range(800, 864))
+    async with TierCache(config()) as c:
+        await serve(c, [*P, 1])
+        await c.wait_idle()
+        async with c.request([*P, 2]) as req:
+            assert req.cached_tokens == 64
+            node = c.match_prefix(P).index.last_device_node
+            await refused(c, lambda: c.unlock(node), StateError, req=req)
+            c.lock(node)
+            c.lock(node)
+            c.unlock(node)
+            c.unlock(node)
+            await refused(c, lambda: c.unlock(node), StateError, req=req)
+            await c.evict_device(256)  # the request's prefix is locked: it stays
+            assert_kv(c, [*P, 2], req.prefix_indices)
+            slots = await req.alloc(1)
+            write_kv(c, [*P, 2], 64, slots)
+            assert await req.commit([*P, 2], torch.cat([req.prefix_indices, slots])) == 64
+        await c.wait_idle()
+        check_accounting(c)
+        assert not any(n.lock_ref for n in c.index.nodes())
