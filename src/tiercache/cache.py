@@ -324,6 +324,9 @@ class TierCache(AsyncResource):
         self._own: set[asyncio.Task[Any]] = set()
         self._forget_settle: Callable[[], None] = _nothing
         self._open_requests = 0
+        # Open requests waiting in the device queue, with the slots each holds
+        # outside the index: they free nothing until they are served.
+        self._blocked: dict[object, int] = {}
         # Locks taken with `lock` and not yet released by `unlock`, per node.
         self._locks: dict[Node, int] = {}
         # The loop that opened the cache: every verb runs on it (see `_check`).
@@ -575,7 +578,8 @@ class TierCache(AsyncResource):
 
         Raises:
             CapacityError: more than the pool holds, nothing will free room
-                (no other request, copy or load is in flight), or the timeout
+                (no other request, copy or load is in flight, or every other
+                open request waits for device room itself), or the timeout
                 passed.
             InvalidInputError: not a non-negative int multiple of the page size.
         """
@@ -620,11 +624,19 @@ class TierCache(AsyncResource):
                 return got
         timeout = self.config.alloc_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout
+        key = object()
 
         async def attempt() -> _T | None:
-            return await self._make_device_room(need, take, own, deadline)
+            return await self._make_device_room(need, take, own, deadline, key)
 
-        got = await self._device_queue.serve(attempt, deadline)
+        if own >= 0:
+            # This request now waits too: the head may find that nothing else will free room.
+            self._blocked[key] = own
+            self._device_queue.wake()
+        try:
+            got = await self._device_queue.serve(attempt, deadline)
+        finally:
+            self._blocked.pop(key, None)
         if got is None:
             raise CapacityError(
                 f"no room for {need()} device slots within alloc_timeout_s={timeout}: "
@@ -638,6 +650,7 @@ class TierCache(AsyncResource):
         take: Callable[[], _T | None],
         own: int,
         deadline: float,
+        key: object,
     ) -> _T | None:
         """One turn at the head of the device queue: take, evicting LRU nodes while that frees room.
 
@@ -657,29 +670,34 @@ class TierCache(AsyncResource):
                 break
         if got is not None:
             return got
-        if self._nothing_will_free(own):
+        if self._nothing_will_free(own, key):
             raise CapacityError(
-                f"cannot find {need()} device slots: {alloc.available} free, the rest locked"
+                f"cannot find {need()} device slots: {alloc.available} free, the rest locked "
+                "or held by requests that wait for room themselves"
             )
         return None
 
-    def _nothing_will_free(self, own: int) -> bool:
+    def _nothing_will_free(self, own: int, key: object = None) -> bool:
         """Whether no other request, copy, load or task can release device slots.
 
         ``own`` is what the caller holds outside the index when it is an open
         request, ``-1`` for a direct `alloc_device` call (whose own holdings
-        cannot be told from others': they count as others').
+        cannot be told from others': they count as others'). Open requests
+        queued behind the caller (``key``: its entry in ``_blocked``) release
+        nothing before the caller is served: they hold and wait, as it does,
+        and waiting would only end at the timeout.
         """
         ctl = self.controller
+        blocked = [held for k, held in self._blocked.items() if k is not key]
         outside = ctl.device_allocator.used - int(self._index_pages.sum()) * self.layout.page_size
-        others_open = self._open_requests - (1 if own >= 0 else 0)
+        others_open = self._open_requests - (1 if own >= 0 else 0) - len(blocked)
         return (
             others_open <= 0
-            and outside <= max(own, 0)
+            and outside <= max(own, 0) + sum(blocked)
             and not ctl.busy
             and not self._pending_loads
             and len(self._own) <= len(self._deferred_writes)  # those free no device room
-            and len(self._device_queue) <= 1
+            and len(self._device_queue) <= 1 + len(blocked)
         )
 
     def _notify_room(self) -> None:
@@ -1677,6 +1695,28 @@ class TierCache(AsyncResource):
             raise InvalidInputError(f"prefetch must be a bool, got {prefetch!r}")
         key = toks[:-1]
         m = self.match_prefix(key, extra_key)
+        # Open from here: the locks it takes below hold device room until it ends.
+        self._open_requests += 1
+        try:
+            req = await self._start_request(m, toks, key, extra_key, request_id, prefetch)
+            try:
+                yield req
+            finally:
+                await req._release()
+        finally:
+            self._open_requests -= 1
+            self._notify_room()
+
+    async def _start_request(
+        self,
+        m: CacheMatch,
+        toks: list[int],
+        key: list[int],
+        extra_key: str | None,
+        request_id: object,
+        prefetch: bool,
+    ) -> Request:
+        """`request` up to the body: prefetch, load back, lock the prefix."""
         first_device, first_matched = m.device_tokens, m.index.matched_length
         if prefetch and m.storage_candidate_tokens:
             # Hold what matched while the prefetch awaits: nothing under it may
@@ -1689,7 +1729,7 @@ class TierCache(AsyncResource):
                 self.index.unlock(held)
                 self._notify_room()
             m = self.match_prefix(key, extra_key)
-        prefix, handle = await self._load_back(m, own=-1, fresh=True)
+        prefix, handle = await self._load_back(m, own=0, fresh=True)
         node = self.index.match_prefix(
             key[: prefix.numel()], extra_key, touch=False
         ).last_device_node
@@ -1699,21 +1739,12 @@ class TierCache(AsyncResource):
             for p in self._pending_loads.values():
                 if p.handle not in loads and bool(torch.isin(p.device_indices, prefix).any()):
                     loads.append(p.handle)
-        req = Request(self, toks, extra_key, prefix, loads, node)
-        self._open_requests += 1
         self._stats.requests += 1
         self._stats.tokens_requested += len(toks)
         device_hit = min(first_device, int(prefix.numel()))
         self._stats.tokens_device_hit += device_hit
         self._stats.tokens_host_hit += max(0, min(int(prefix.numel()), first_matched) - device_hit)
-        try:
-            yield req
-        finally:
-            try:
-                await req._release()
-            finally:
-                self._open_requests -= 1
-                self._notify_room()
+        return Request(self, toks, extra_key, prefix, loads, node)
 
     # -- flush, stats, waiting ----------------------------------------------------
 

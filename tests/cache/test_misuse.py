@@ -219,6 +219,41 @@ async def test_alloc_waits_for_room_other_requests_hold() -> None:
         check_accounting(c)
 
 
+async def test_requests_that_all_hold_and_wait_for_room_do_not_wait_for_the_timeout() -> None:
+    """Each request holds half the pool and wants more: only one giving up frees room.
+
+    Waiting would end only at ``alloc_timeout_s``; the first in line is refused at
+    once instead, and its end lets the others through.
+    """
+    async with TierCache(config(device_tokens=96, alloc_timeout_s=60.0)) as c:
+        holding = 0
+        all_hold = asyncio.Event()
+
+        async def one(tok: int) -> str:
+            nonlocal holding
+            tokens = [tok] * 33
+            async with c.request(tokens) as r:
+                first = await r.alloc(32)
+                holding += 1
+                if holding == 3:
+                    all_hold.set()
+                await all_hold.wait()
+                try:
+                    second = await r.alloc(1)
+                except CapacityError:
+                    return "refused"
+                write_kv(c, tokens, 0, torch.cat([first, second]))
+                await r.commit(tokens, torch.cat([first, second]))
+                return "served"
+
+        async with asyncio.timeout(10):
+            results = await asyncio.gather(one(1), one(2), one(3))
+        assert sorted(results) == ["refused", "served", "served"]
+        await c.wait_idle()
+        check_accounting(c)
+        assert not c._blocked and c._open_requests == 0
+
+
 # -- waiting for room: fair, cancellable, bounded --------------------------------------
 
 
