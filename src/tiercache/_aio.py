@@ -12,17 +12,21 @@ helpers, so that the rule lives in one place:
 - `bounded` does the same under a deadline: on timeout it cancels the task,
   waits for it to settle, and only then raises `TimeoutError`.
 
-Both run on the event loop thread.
+Both run on the event loop thread. `check_on_loop` refuses a call made
+anywhere else, for the objects whose state only their loop may touch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Awaitable
 from typing import TypeVar
 
-__all__ = ["bounded", "finish"]
+from tiercache.errors import StateError
+
+__all__ = ["bounded", "check_on_loop", "finish"]
 
 T = TypeVar("T")
 
@@ -87,3 +91,22 @@ async def bounded(aw: Awaitable[T], timeout_s: float | None) -> T:
         if not task.cancelled():
             task.exception()  # retrieved here: the caller sees the timeout or cancellation
         raise
+
+
+def check_on_loop(loop: asyncio.AbstractEventLoop | None, thread: int | None, what: str) -> None:
+    """Raise `StateError` unless called on ``loop``, the loop that opened ``what``.
+
+    A synchronous call may also come from ``thread``, that loop's thread,
+    while the loop is not running (between ``run_until_complete`` calls).
+    The object's bookkeeping is not locked: a call from another thread or
+    loop would race with the loop's own.
+    """
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is not loop and (running is not None or threading.get_ident() != thread):
+        raise StateError(
+            f"{what} is not thread-safe: call it on the event loop that opened it "
+            "(from another thread, use asyncio.run_coroutine_threadsafe)"
+        )

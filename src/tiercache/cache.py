@@ -57,6 +57,7 @@ from typing import Any, Self, TypeVar
 import numpy as np
 import torch
 
+from tiercache._aio import check_on_loop
 from tiercache._checks import check_choice, check_count, check_slot_tensor, token_list
 from tiercache._resource import AsyncResource
 from tiercache._tasks import TaskGroup
@@ -440,22 +441,6 @@ class TierCache(AsyncResource):
             finally:
                 await self.tasks.aclose()
 
-    def _check_loop(self) -> None:
-        """Raise `StateError` unless called on the loop that opened the cache.
-
-        A synchronous verb may also be called on that loop's thread while the
-        loop is not running (between ``run_until_complete`` calls).
-        """
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is not self._loop and (loop is not None or threading.get_ident() != self._thread):
-            raise StateError(
-                "TierCache is not thread-safe: call it on the event loop that opened it "
-                "(from another thread, use asyncio.run_coroutine_threadsafe)"
-            )
-
     async def _join_own(self) -> None:
         """Wait for the cache's own background tasks (not the storage tier's), those started meanwhile too."""
         while self._own:
@@ -477,7 +462,7 @@ class TierCache(AsyncResource):
             StateError: a background task failed since the last call (raised once).
         """
         ctl = self.controller
-        self._check_loop()
+        check_on_loop(self._loop, self._thread, "TierCache")
         if self._pending_loads:
             self._settle_loads()
         self.tasks.raise_failure()
@@ -1879,7 +1864,7 @@ class Request:
             StateError: called from another thread or event loop than the
                 cache's.
         """
-        self.cache._check_loop()
+        check_on_loop(self.cache._loop, self.cache._thread, "TierCache")
         for h in self.loads:
             try:
                 await h

@@ -20,6 +20,7 @@ import concurrent.futures
 import enum
 import itertools
 import logging
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
@@ -29,6 +30,7 @@ from typing import Any, Literal, Self
 import numpy as np
 import torch
 
+from tiercache._aio import check_on_loop
 from tiercache._checks import check_bool, check_choice, check_int
 from tiercache._resource import AsyncResource
 from tiercache._tasks import TaskGroup
@@ -548,6 +550,7 @@ class TierController(AsyncResource):
         self._idle_waiters: list[asyncio.Future[None]] = []
         self.layer_done_counter = LayerDoneCounter(self.layout.num_layers)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: int | None = None  # the thread of that loop
         self._write_stream: CopyStream | None = None
         self._load_stream: CopyStream | None = None
         self._write_queue: list[_Operation] = []
@@ -592,6 +595,7 @@ class TierController(AsyncResource):
         if self.state is not ControllerState.CREATED:
             raise ClosedError("the controller was closed; create a new one")
         self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
         self._write_stream = CopyStream("write", self.device_pool.device)
         self._load_stream = CopyStream("load", self.device_pool.device)
         self.state = ControllerState.OPEN
@@ -714,16 +718,20 @@ class TierController(AsyncResource):
         """The controller's loop; raises a background failure not raised before.
 
         Raises:
-            StateError: not open yet, or a background task failed.
+            StateError: not open yet, called from another thread or event
+                loop than the one that opened it (nothing is changed), or a
+                background task failed.
             ClosedError: closed.
         """
-        self.tasks.raise_failure()
         if self.state is not ControllerState.OPEN:
+            self.tasks.raise_failure()
             if self.state is ControllerState.CREATED:
                 raise StateError(
                     "the controller is not open: use `async with controller` or `await open()`"
                 )
             raise ClosedError("the controller is closed")
+        check_on_loop(self._loop, self._thread, "TierController")
+        self.tasks.raise_failure()
         assert self._loop is not None
         return self._loop
 

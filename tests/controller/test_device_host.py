@@ -641,3 +641,59 @@ async def test_a_large_transfer_yields_before_its_checks_and_a_small_one_does_no
             assert out is not None
             assert all(torch.equal(a, b) for a, b in zip(kv_at(c, out), kv_at(c, src), strict=True))
         assert checked_after == [pages * ps >= 1 << 16]
+
+
+async def test_calls_from_another_thread_or_loop_are_refused_and_change_nothing() -> None:
+    """The controller's bookkeeping is not locked: a verb off its loop is a `StateError`."""
+    async with make() as c:
+        src, host = await backed_up(c, 32)
+        free = (c.device_allocator.available, c.host_allocator.available)
+
+        def elsewhere() -> list[str]:
+            out = []
+            calls = [
+                lambda: c.submit_write(src),
+                lambda: c.submit_load(host),
+                lambda: c.start_writing(),
+                lambda: c.start_loading(),
+                lambda: c.free_host(host),
+                lambda: c.free_device(src),
+                lambda: asyncio.run(c.backup(src)),
+                lambda: asyncio.run(c.load_back(host)),
+                lambda: asyncio.run(c.reset()),
+            ]
+            for call in calls:
+                try:
+                    call()
+                except StateError as e:
+                    out.append(str(e))
+            return out
+
+        errors = await asyncio.to_thread(elsewhere)
+        assert len(errors) == 9
+        assert all("event loop that opened it" in e for e in errors)
+        assert (c.device_allocator.available, c.host_allocator.available) == free
+        assert not c.busy
+        back = await c.load_back(host)  # on its own loop, all still works
+        assert back is not None
+        assert all(torch.equal(a, b) for a, b in zip(kv_at(c, back), kv_at(c, src), strict=True))
+        c.free_device(back)
+        c.free_host(host)
+        c.free_device(src)
+    assert c.device_allocator.available == c.device_allocator.num_slots
+
+
+def test_between_loop_runs_the_opening_thread_may_call_synchronous_verbs() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        c = make()
+        loop.run_until_complete(c.open())
+        src = c.device_allocator.alloc(16)
+        assert src is not None
+        ack = c.submit_write(src)  # the loop is not running: same thread, allowed
+        assert ack is not None
+        loop.run_until_complete(ack)
+        assert c.free_host(ack.host_indices) == 16
+        loop.run_until_complete(c.aclose())
+    finally:
+        loop.close()
