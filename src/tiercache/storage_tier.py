@@ -37,16 +37,18 @@ import asyncio
 import contextlib
 import enum
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from tiercache._aio import bounded, finish
-from tiercache._checks import check_bool, check_int
+from tiercache._checks import check_bool, check_int, is_int
 from tiercache._tasks import TaskGroup
 from tiercache.errors import (
     BackendUnavailableError,
@@ -60,7 +62,7 @@ from tiercache.index.hashing import pack_tokens, page_hashes
 from tiercache.memory.allocator import PageAllocator, check_slot_indices
 from tiercache.memory.pools import HostKVPool
 from tiercache.observe import observe
-from tiercache.storage.base import PageKey, StorageBackend
+from tiercache.storage.base import PageBuffer, PageKey, StorageBackend
 from tiercache.storage.keys import StorageNamespace
 
 __all__ = [
@@ -251,6 +253,42 @@ class HostSlots(Protocol):
     def storage_failed(self, tier: StorageTier) -> None:
         """The ``auto_detach`` fault policy gave up on ``tier``'s backend: the owner detaches it."""
         ...
+
+
+def _exists_answer(answer: object, num_keys: int) -> int:
+    """A backend's ``batch_exists`` answer as a count of ``num_keys`` keys.
+
+    Raises:
+        StorageError: not an int (a plugin that breaks the contract): a miss,
+            never a failure of the cache.
+    """
+    if not is_int(answer):
+        raise StorageError(
+            f"the backend answered exists with {type(answer).__name__}, not an int count"
+        )
+    return max(0, min(operator.index(answer), num_keys))  # type: ignore[arg-type]
+
+
+def _flags_answer(answer: object, what: str, num_pages: int) -> Sequence[object]:
+    """A backend's ``batch_get`` / ``batch_set`` answer: one flag per page.
+
+    Raises:
+        StorageError: not a list, tuple or 1-D array of ``num_pages`` flags
+            (a plugin that breaks the contract). Too many flags would claim
+            pages that were never asked for, too few leave pages unaccounted:
+            the whole batch is a miss.
+    """
+    if isinstance(answer, np.ndarray) and answer.ndim == 1:
+        answer = answer.tolist()
+    if not isinstance(answer, list | tuple):
+        raise StorageError(
+            f"the backend answered {what} with {type(answer).__name__}, not a list of flags"
+        )
+    if len(answer) != num_pages:
+        raise StorageError(
+            f"the backend answered {what} with {len(answer)} flags for {num_pages} pages"
+        )
+    return answer
 
 
 def _leading_ok(flags: Sequence[object]) -> int:
@@ -590,8 +628,33 @@ class StorageTier:
 
     # -- helpers --------------------------------------------------------------
 
-    async def _call(self, what: str, coro: Awaitable[T]) -> T:
+    async def _exists(self, keys: list[PageKey]) -> int:
+        """``batch_exists`` through `_call`: how many leading ``keys`` are stored."""
+        n = len(keys)
+        return await self._call(
+            "exists", self.backend.batch_exists(keys), lambda a: _exists_answer(a, n)
+        )
+
+    async def _get(self, keys: list[PageKey], pages: list[PageBuffer]) -> Sequence[object]:
+        """``batch_get`` through `_call`: one flag per page."""
+        n = len(keys)
+        return await self._call(
+            "get", self.backend.batch_get(keys, pages), lambda a: _flags_answer(a, "get", n)
+        )
+
+    async def _set(self, keys: list[PageKey], pages: list[PageBuffer]) -> Sequence[object]:
+        """``batch_set`` through `_call`: one flag per page."""
+        n = len(keys)
+        return await self._call(
+            "set", self.backend.batch_set(keys, pages), lambda a: _flags_answer(a, "set", n)
+        )
+
+    async def _call(self, what: str, coro: Awaitable[Any], check: Callable[[Any], T]) -> T:
         """Await a backend call with the tier's timeout; errors become StorageError.
+
+        ``check`` turns the backend's answer into the caller's value, or
+        raises `StorageError` for an answer that breaks the backend contract
+        (a plugin's bug): that is a failed call too, a miss.
 
         Counts consecutive failures for the fault policy. While the backend is
         down (``auto_reconnect``) the call is not made: it fails at once with
@@ -608,7 +671,7 @@ class StorageTier:
         t0 = time.perf_counter()
         task.add_done_callback(lambda t: _observe_call(what, t, time.perf_counter() - t0))
         try:
-            result = await bounded(task, self.config.timeout_s)
+            result = check(await bounded(task, self.config.timeout_s))
         except TimeoutError:
             self.stats.storage_timeouts += 1
             self._failed()
@@ -781,8 +844,8 @@ class StorageTier:
                 if op._frozen:
                     break
                 batch = keys[start : start + step]
-                n = await self._call("exists", self.backend.batch_exists(batch))
-                hit_pages += max(0, min(int(n), len(batch)))
+                n = await self._exists(batch)
+                hit_pages += n
                 if n < len(batch):
                     break
         except StorageError as e:
@@ -864,7 +927,7 @@ class StorageTier:
             pool = self.slots.pool
             pages = [pool.page_buffer(s) for s in op.host_indices[lo * ps : hi * ps : ps].tolist()]
             try:
-                got = await self._call("get", self.backend.batch_get(keys[lo:hi], pages))
+                got = await self._get(keys[lo:hi], pages)
             except StorageError as e:
                 logger.warning(
                     "prefetch %r: storage read failed, keeping what arrived: %s", op.request_id, e
@@ -1019,8 +1082,7 @@ class StorageTier:
 
     async def _write_batch(self, op: BackupOperation, lo: int, keys: list[PageKey]) -> int:
         """Store pages ``lo ..`` of ``op`` under ``keys``; return how many leading ones are stored."""
-        have = await self._call("exists", self.backend.batch_exists(keys))
-        have = max(0, min(int(have), len(keys)))
+        have = await self._exists(keys)
         self.stats.backup_pages_skipped += have
         todo = keys[have:]
         if not todo:
@@ -1028,7 +1090,7 @@ class StorageTier:
         ps = self.page_size
         starts = op.host_indices[(lo + have) * ps : (lo + len(keys)) * ps : ps].tolist()
         pages = [self.slots.pool.page_buffer(s) for s in starts]
-        n_ok = _leading_ok(await self._call("set", self.backend.batch_set(todo, pages)))
+        n_ok = _leading_ok(await self._set(todo, pages))
         self.stats.backup_pages_written += n_ok
         self.stats.bytes_written += n_ok * self.page_bytes
         return have + n_ok

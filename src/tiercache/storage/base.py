@@ -62,6 +62,16 @@ class StorageBackend(AsyncResource):
     target untouched; a backend that reads straight into the target (the file
     backend) may have written a page whose payload checksum then failed, so a
     caller never uses a target reported as not arrived.
+
+    The cache checks the shape of every answer: ``batch_exists`` must return
+    an int, ``batch_get`` and ``batch_set`` a list of one flag per page; any
+    other answer is a failed call (a miss, a skipped backup). It cannot check
+    the bytes: a ``True`` from ``batch_get`` promises that the buffer holds
+    exactly what was stored under the key, and the cache uses it as is, so a
+    backend verifies its pages before it says so (the built-in ones store a
+    header with checksums, `tiercache.storage.format`). A call past the
+    deadline is cancelled and awaited to its end before its buffers are
+    reused: a backend must let cancellation through, or the caller waits.
     """
 
     #: URL scheme / registry name of the backend class, e.g. ``"file"``.
