@@ -163,6 +163,21 @@ def test_namespace_separates_models_dtypes_layouts_and_ranks() -> None:
     assert len(digests) == 7
 
 
+def test_a_separator_in_a_field_cannot_pose_as_the_next_field() -> None:
+    def ns(model: str, dtype: str, layout: str = "x") -> StorageNamespace:
+        return StorageNamespace(model, dtype, layout, "page_first", 16)
+
+    assert ns("m|dtype=a", "b").digest != ns("m", "a|dtype=b").digest
+    assert ns("m", "a|layout=b", "c").digest != ns("m", "a", "b|layout=c").digest
+    assert ns("m\\|dtype=a", "b").digest != ns("m\\", "a|dtype=b").digest
+    # Ordinary values keep their identity (and the keys already stored under it).
+    assert ns("llama-8b", "float16", "mha:L4").identity == (
+        "tiercache/1|model=llama-8b|dtype=float16|layout=mha:L4|host=page_first|page=16|tp=0/1|mla=0"
+    )
+    with pytest.raises(InvalidInputError):
+        StorageNamespace("m", 16, "x", "page_first", 16)  # type: ignore[arg-type]
+
+
 def test_mla_drops_the_tp_rank() -> None:
     r0 = StorageNamespace.for_layout(MLA, "page_first", model="dsv3", tp_rank=0, tp_size=8)
     r5 = StorageNamespace.for_layout(MLA, "page_first", model="dsv3", tp_rank=5, tp_size=8)

@@ -85,6 +85,17 @@ def check_batch(
     return out
 
 
+def _field(value: str) -> str:
+    """A free-text identity field with ``\\`` and ``|`` escaped.
+
+    Unescaped, a ``|`` in one field could pose as the next field: the model
+    ``"m|dtype=a"`` with dtype ``"b"`` and the model ``"m"`` with dtype
+    ``"a|dtype=b"`` would share one identity, and so one key prefix. A value
+    without either character is unchanged, and so are the keys it names.
+    """
+    return value.replace("\\", "\\\\").replace("|", "\\|")
+
+
 @dataclass(frozen=True, slots=True)
 class StorageNamespace:
     """The identity of one pool's page bytes, prefixed to every storage key.
@@ -121,6 +132,9 @@ class StorageNamespace:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise InvalidInputError(f"model must be a non-empty str, got {self.model!r}")
+        for name in ("dtype", "layout"):
+            if not isinstance(getattr(self, name), str):
+                raise InvalidInputError(f"{name} must be a str, got {getattr(self, name)!r}")
         if self.host_layout not in HOST_LAYOUTS:
             raise InvalidInputError(
                 f"host_layout must be one of {HOST_LAYOUTS}, got {self.host_layout!r}"
@@ -163,8 +177,9 @@ class StorageNamespace:
     def identity(self) -> str:
         """The fields that name the bytes, as one line (``tp_rank`` omitted for MLA)."""
         rank = "*" if self.mla else str(self.tp_rank)
+        model, dtype, layout = (_field(v) for v in (self.model, self.dtype, self.layout))
         return (
-            f"tiercache/1|model={self.model}|dtype={self.dtype}|layout={self.layout}"
+            f"tiercache/1|model={model}|dtype={dtype}|layout={layout}"
             f"|host={self.host_layout}|page={self.page_size}|tp={rank}/{self.tp_size}|mla={int(self.mla)}"
         )
 
