@@ -142,3 +142,16 @@ def test_standalone_page_buffer() -> None:
     q = PageBuffer.allocate(3, "f")
     q.write(b"xyz")
     assert q.tobytes() == b"xyz"
+
+
+def test_wrapped_buffers_may_come_as_one_stacked_tensor_per_kv() -> None:
+    lay = KVLayout(2, 2, 4, torch.float16, 4)
+    k, v = (
+        torch.zeros(2, 16, 2, 4, dtype=torch.float16),
+        torch.zeros(2, 16, 2, 4, dtype=torch.float16),
+    )
+    pool = DeviceKVPool(lay, 16, k_buffers=k, v_buffers=v)  # type: ignore[arg-type]
+    pool.k_buffer[1][3] = 1.0
+    assert k[1, 3].eq(1.0).all()
+    with pytest.raises(InvalidInputError):
+        DeviceKVPool(lay, 16, k_buffers=k[:1], v_buffers=v[:1])  # type: ignore[arg-type]

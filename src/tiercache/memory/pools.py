@@ -179,7 +179,7 @@ class DeviceKVPool:
                 raise InvalidInputError("an MHA pool wraps k_buffers and v_buffers, not kv_buffers")
             if any(g is None for g in given):
                 raise InvalidInputError("wrap both k_buffers and v_buffers")
-            self.buffers = [self._check_wrapped(list(g or []), shape) for g in given]
+            self.buffers = [self._check_wrapped(list(g), shape) for g in given if g is not None]
             self.stacked: list[torch.Tensor] | None = None
             self.joint: torch.Tensor | None = None
         else:
