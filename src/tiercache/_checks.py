@@ -34,6 +34,7 @@ import torch
 from tiercache.errors import ConfigError, InvalidInputError
 
 __all__ = [
+    "check_extra_key",
     "FALSE_WORDS",
     "TOKEN_LIMIT",
     "TRUE_WORDS",
@@ -322,3 +323,24 @@ def check_slot_tensor(indices: Any, what: str, num_slots: int) -> torch.Tensor:
             f"{what} out of range [0, {num_slots}): min {int(cpu.min())}, max {int(cpu.max())}"
         )
     return cpu
+
+
+def check_extra_key(extra_key: object) -> str | None:
+    """``extra_key`` once it is ``None`` or a str that UTF-8 can encode.
+
+    The key's bytes start its namespace's hash chain: a lone surrogate
+    (``"\\ud800"``) has none, and is refused here rather than failing to
+    encode deep inside hashing.
+
+    Raises:
+        InvalidInputError: anything else.
+    """
+    if extra_key is None:
+        return None
+    if not isinstance(extra_key, str):
+        raise InvalidInputError(f"extra_key must be a str or None, got {extra_key!r}")
+    try:
+        extra_key.encode()
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(f"extra_key must be encodable as UTF-8: {e}") from None
+    return extra_key

@@ -58,7 +58,13 @@ import numpy as np
 import torch
 
 from tiercache._aio import check_on_loop
-from tiercache._checks import check_choice, check_count, check_slot_tensor, token_list
+from tiercache._checks import (
+    check_choice,
+    check_count,
+    check_extra_key,
+    check_slot_tensor,
+    token_list,
+)
 from tiercache._resource import AsyncResource
 from tiercache._tasks import TaskGroup
 from tiercache.config import PREFETCH_POLICIES, TierCacheConfig
@@ -494,7 +500,7 @@ class TierCache(AsyncResource):
         """
         ctl = self._check()
         toks = self._tokens(tokens)
-        self._check_extra_key(extra_key)
+        check_extra_key(extra_key)
         m = self.index.match_prefix(toks, extra_key)
         ps = self.layout.page_size
         rest = (len(toks) - m.matched_length) // ps * ps
@@ -507,11 +513,6 @@ class TierCache(AsyncResource):
     @staticmethod
     def _tokens(tokens: Sequence[int] | torch.Tensor) -> list[int]:
         return token_list(tokens)
-
-    @staticmethod
-    def _check_extra_key(extra_key: object) -> None:
-        if extra_key is not None and not isinstance(extra_key, str):
-            raise InvalidInputError(f"extra_key must be a str or None, got {extra_key!r}")
 
     def lock(self, node: Node) -> None:
         """Keep ``node`` and its ancestors from eviction (a request is using them).
@@ -1043,7 +1044,7 @@ class TierCache(AsyncResource):
         ctl = self._check()
         ready_ev = ctl.ready_event(ready, "insert")
         toks = self._tokens(tokens)
-        self._check_extra_key(extra_key)
+        check_extra_key(extra_key)
         dev = self._insert_slots(ctl, toks, device_indices)
         n = int(dev.numel())
         # The cached part may still be landing: wait, then decide on the
@@ -1675,7 +1676,7 @@ class TierCache(AsyncResource):
         """
         self._check()
         toks = self._tokens(tokens)
-        self._check_extra_key(extra_key)
+        check_extra_key(extra_key)
         if not isinstance(prefetch, bool):
             raise InvalidInputError(f"prefetch must be a bool, got {prefetch!r}")
         key = toks[:-1]

@@ -382,6 +382,9 @@ async def test_bad_counts_policies_and_argument_types_are_refused() -> None:
         await refused(c, lambda: c.load_back("match"))  # type: ignore[arg-type]
         await refused(c, lambda: c.lock("node"))  # type: ignore[arg-type]
         await refused(c, lambda: c.match_prefix(P, extra_key=5))  # type: ignore[arg-type]
+        # A str with no UTF-8 bytes (a lone surrogate) cannot start a hash chain.
+        await refused(c, lambda: c.match_prefix(P, extra_key="\ud800"))
+        await refused(c, lambda: c.insert(P[:32], c.match_prefix(P).device_indices[:32], "\ud800"))
         slots = await c.alloc_device(32)
         await refused(c, lambda: c.free_device(slots.tolist()))  # type: ignore[arg-type]
         await refused(c, lambda: c.insert(P[:32], slots.tolist()))  # type: ignore[arg-type]

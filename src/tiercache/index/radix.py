@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiercache._checks import check_count, check_int, is_int
+from tiercache._checks import check_count, check_extra_key, check_int, is_int
 from tiercache.errors import InvalidInputError, StateError
 from tiercache.index.hashing import pack_tokens
 from tiercache.index.hashing import page_hashes as _chain_hashes
@@ -1112,8 +1112,7 @@ class RadixIndex:
         return extra_key_prior(node.extra_key)
 
     def _namespace_root(self, extra_key: str | None) -> Node:
-        if extra_key is not None and not isinstance(extra_key, str):
-            raise InvalidInputError(f"extra_key must be a str or None, got {extra_key!r}")
+        check_extra_key(extra_key)
         root = self._roots.get(extra_key)
         if root is None:
             # Unregistered until something is inserted under it.
