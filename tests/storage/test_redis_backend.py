@@ -549,3 +549,20 @@ async def test_cancelled_get_waits_for_the_copy_into_its_pages(
     assert finished.is_set()  # the buffer is no longer being written when the caller gets it back
     monkeypatch.undo()
     assert await backend.batch_exists([key(1)]) == 1  # the backend is still usable
+
+
+async def test_key_of_another_type_is_a_corrupt_miss_and_deleted(
+    make_redis_backend: MakeRedisBackend, raw: aioredis.Redis
+) -> None:
+    """Another writer's list under our key: a miss that is dropped, so the page can be stored."""
+    backend = await make_redis_backend()
+    await raw.rpush(backend.prefix + key(1), b"not a page")
+    target = blank()
+    assert await backend.batch_get([key(1)], [target]) == [False]
+    assert target.tobytes() == blank().tobytes()
+    stats = await backend.stats()
+    assert (stats.corrupt_pages, stats.errors) == (1, 0)
+    assert await raw.exists(backend.prefix + key(1)) == 0
+    assert await backend.batch_set([key(1)], [page(1)]) == [True]
+    assert await backend.batch_get([key(1)], [target]) == [True]
+    assert target.tobytes() == page(1).tobytes()

@@ -188,6 +188,11 @@ def _pack_values(keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[b
     return [b"".join(pack_page(k, p)) for k, p in zip(keys, pages, strict=True)]
 
 
+def _is_wrong_type(reply: object) -> bool:
+    """Whether a command's reply says the key holds a list, hash, ... instead of a string."""
+    return isinstance(reply, redis_errors.ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
 def _unpack_values(
     keys: Sequence[PageKey], blobs: Sequence[bytes | None], pages: Sequence[PageBuffer]
 ) -> list[str | None | bool]:
@@ -226,7 +231,8 @@ class RedisBackend(StorageBackend):
     Consistency: a page is written with one ``SET key value NX`` carrying the
     whole header and payload, so the first writer of a key wins and a reader
     sees either no key or all of its bytes, never part of them (a Redis command
-    is atomic). A value that fails its checks on read is a miss: it is logged,
+    is atomic). A value that fails its checks on read, or a key another writer
+    filled with a list, hash or other non-string type, is a miss: it is logged,
     counted in ``stats.corrupt_pages``, never copied into the target, and the
     key is deleted (best effort, after the read; a valid page written between
     the read and the delete would be lost, which costs a miss, never wrong KV).
@@ -696,6 +702,9 @@ class RedisBackend(StorageBackend):
             outcome = await _off_loop(_unpack_values, keys, blobs, pages)
         else:
             outcome = _unpack_values(keys, blobs, pages)
+        for i, r in enumerate(replies):
+            if _is_wrong_type(r):  # another writer's list, hash, ...: as corrupt as bad bytes
+                outcome[i] = "the key holds a value of another redis type"
         arrived, corrupt = self._count_reads(keys, pages, outcome)
         if corrupt:
             try:
@@ -712,6 +721,8 @@ class RedisBackend(StorageBackend):
         for k, r in zip(keys, replies, strict=True):
             if isinstance(r, _NODE_FAILED):
                 r = None  # its node failed: logged and counted once per node
+            elif _is_wrong_type(r):
+                r = None  # not a string: batch_get drops it as a corrupt page
             elif isinstance(r, Exception):
                 logger.warning(
                     "redis backend %s: GET %s failed: %s", self._url_display, k, self._scrub(str(r))
