@@ -260,15 +260,23 @@ async def test_one_round_trip_per_batch(
 
 
 async def test_server_errors_fail_single_pages(
-    make_redis_backend: MakeRedisBackend, raw: aioredis.Redis
+    make_redis_backend: MakeRedisBackend,
+    raw: aioredis.Redis,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     backend = await make_redis_backend()
     await raw.config_set("maxmemory", 1)  # every write is refused with OOM
     try:
-        assert await backend.batch_set([key(1), key(2)], [page(1), page(2)]) == [False, False]
+        with caplog.at_level(logging.WARNING, logger="tiercache.storage.redis"):
+            got = await backend.batch_set([key(i) for i in range(50)], [page(1)] * 50)
+        assert got == [False] * 50
     finally:
         await raw.config_set("maxmemory", 0)
-    assert (await backend.stats()).errors == 2
+    assert (await backend.stats()).errors == 50
+    # One warning for the batch, not one per page: a full server must not flood the log.
+    assert len(caplog.records) == 1
+    assert "SET failed for 50 of 50 pages" in caplog.records[0].getMessage()
+    assert key(0) in caplog.records[0].getMessage()
     assert await backend.batch_set([key(1)], [page(1)]) == [True]
 
 

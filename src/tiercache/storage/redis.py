@@ -718,19 +718,40 @@ class RedisBackend(StorageBackend):
     def _values(self, keys: Sequence[PageKey], replies: Sequence[Any]) -> list[bytes | None]:
         """The value of each ``GET`` reply; a failed command is ``None`` (a miss), logged."""
         blobs: list[bytes | None] = []
+        failed: list[tuple[PageKey, Exception]] = []
         for k, r in zip(keys, replies, strict=True):
             if isinstance(r, _NODE_FAILED):
                 r = None  # its node failed: logged and counted once per node
             elif _is_wrong_type(r):
                 r = None  # not a string: batch_get drops it as a corrupt page
             elif isinstance(r, Exception):
-                logger.warning(
-                    "redis backend %s: GET %s failed: %s", self._url_display, k, self._scrub(str(r))
-                )
-                self._stats.errors += 1
+                failed.append((k, r))
                 r = None
             blobs.append(r)
+        self._log_refused("GET", failed, len(keys))
         return blobs
+
+    def _log_refused(
+        self, command: str, failed: Sequence[tuple[PageKey, Exception]], n: int
+    ) -> None:
+        """Count commands the server refused; one warning per batch, however many.
+
+        A full server (``OOM``) refuses every write of a batch: one line per
+        page would flood the log.
+        """
+        if not failed:
+            return
+        self._stats.errors += len(failed)
+        k, first = failed[0]
+        logger.warning(
+            "redis backend %s: %s failed for %d of %d pages (first: %s: %s)",
+            self._url_display,
+            command,
+            len(failed),
+            n,
+            k,
+            self._scrub(str(first)),
+        )
 
     def _count_reads(
         self,
@@ -791,16 +812,11 @@ class RedisBackend(StorageBackend):
             "set", rkeys, lambda pipe, i: pipe.set(rkeys[i], values[i], nx=True, px=px)
         )
         stored: list[bool] = []
+        failed: list[tuple[PageKey, Exception]] = []
         for k, page, r in zip(keys, pages, replies, strict=True):
             if isinstance(r, Exception):
                 if not isinstance(r, _NODE_FAILED):  # a failed node is logged once
-                    logger.warning(
-                        "redis backend %s: SET %s failed: %s",
-                        self._url_display,
-                        k,
-                        self._scrub(str(r)),
-                    )
-                    self._stats.errors += 1
+                    failed.append((k, r))
                 stored.append(False)
                 continue
             stored.append(True)
@@ -808,6 +824,7 @@ class RedisBackend(StorageBackend):
                 self._stats.set_written += 1
                 self._stats.bytes_written += page.nbytes
         self._stats.set_pages += len(keys)
+        self._log_refused("SET", failed, len(keys))
         return stored
 
     async def delete(self, keys: Sequence[PageKey]) -> int:
