@@ -87,3 +87,31 @@ def test_inspect_counts_what_is_no_page_file_as_damaged_without_blocking(tmp_pat
     assert info["damaged"] == 4
     assert info["bytes"] == len(b"not a page either")
     assert main(["inspect", str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--clients", "0"], "must be at least 1"),
+        (["--clients", "-3"], "must be at least 1"),
+        (["--clients", "x"], "invalid"),
+        (["--metrics-port", "70000"], "a port is 0 to 65535"),
+        (["--metrics-port", "-1"], "a port is 0 to 65535"),
+    ],
+)
+def test_demo_refuses_bad_numbers_as_usage_errors(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad number is a usage error (exit 2, one line), never a traceback from the demo."""
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--quick", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_refuses_a_file_as_its_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "a-file"
+    target.write_text("keep me")
+    assert main(["demo", "--quick", "--no-progress", "--dir", str(target)]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert target.read_text() == "keep me"

@@ -117,9 +117,28 @@ def _read_head(path: str) -> tuple[int, bytes | None]:
         os.close(fd)
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an int of at least 1."""
+    value = int(text)  # ValueError: argparse says "invalid _positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free port) to 65535."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
+    return value
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from tiercache.demo import main as demo_main
 
+    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        print(f"tiercache demo: --dir {args.dir} exists and is not a directory", file=sys.stderr)
+        return 2
     try:
         return demo_main(
             args.dir,
@@ -194,7 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="output folder and file store (default: %(default)s)",
     )
     demo.add_argument(
-        "--clients", type=int, default=None, help="chat clients (default: 8, or 3 with --quick)"
+        "--clients",
+        type=_positive_int,
+        default=None,
+        help="chat clients (default: 8, or 3 with --quick)",
     )
     demo.add_argument(
         "--seed",
@@ -205,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     demo.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         default=None,
         metavar="N",
         help="serve Prometheus metrics on port N while the demo runs (0: any free port; "
