@@ -173,6 +173,15 @@ def test_storage_options_must_be_a_mapping(options: object, tmp_path: Path) -> N
             TierCacheConfig.from_toml(path)
 
 
+@pytest.mark.parametrize("options", [{1: 2}, {"": 1}, {None: "x"}])
+def test_storage_options_names_must_be_keyword_names(options: dict[object, object]) -> None:
+    """The options become keyword arguments when the backend opens: refuse bad names up front."""
+    with pytest.raises(ConfigError, match="storage_options"):
+        TierCacheConfig(storage_url="memory://", storage_options=options)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="storage_options"):
+        TierCacheConfig.from_dict({"storage_options": options})
+
+
 async def test_a_pool_that_cannot_be_allocated_is_a_capacity_error() -> None:
     # 2**60 bytes of host pool: no machine has it; torch refuses with a RuntimeError.
     cache = TierCache(

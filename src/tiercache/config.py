@@ -179,6 +179,10 @@ class TierCacheConfig:
             raise ConfigError(
                 f"storage_options must be a mapping, got {type(self.storage_options).__name__}"
             )
+        bad_names = [k for k in self.storage_options if not isinstance(k, str) or not k]
+        if bad_names:
+            # They are passed as keyword arguments when the backend opens.
+            raise ConfigError(f"storage_options names must be non-empty str, got {bad_names!r}")
         object.__setattr__(self, "storage_options", dict(self.storage_options))
         self._check_numbers()
         self._check_names()
