@@ -445,6 +445,7 @@ async def test_lifecycle(make_redis_backend: MakeRedisBackend) -> None:
         ("redis://localhost:notaport/0", {}),
         ("redis://localhost:6379/abc", {}),
         ("redis://localhost:6379/0/1", {}),
+        ("redis://localhost:6379/1?db=2", {}),
     ],
 )
 async def test_bad_configuration(url: str, options: dict[str, object]) -> None:

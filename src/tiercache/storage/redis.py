@@ -298,6 +298,13 @@ class RedisBackend(StorageBackend):
                 f"the path of a redis URL is a database number, got {db!r} in {self._url_display}"
             )
         ours, passed = _split_query(parts.query, self._url_display)
+        query_dbs = {v for k, v in passed if k == "db"}
+        if scheme != "unix" and db and query_dbs - {db}:
+            # redis-py would silently take the query's database over the path's.
+            raise ConfigError(
+                f"the redis URL names database {db} in its path and "
+                f"db={sorted(query_dbs)[0]} in its query: {self._url_display}"
+            )
         if cluster is None:
             cluster = _SCHEMES[scheme] or option_bool("cluster", ours.get("cluster", False))
         scheme = scheme.removesuffix("+cluster")
