@@ -1520,7 +1520,7 @@ class TierController(AsyncResource):
                 ``host_indices`` (the prefetch would overwrite its bytes).
         """
         self._check_open()
-        host, _ = check_storage_args(
+        host, tokens = check_storage_args(
             self._slots, self.namespace, host_indices, token_ids, last_hash
         )
         if self._busy_host.any(self._busy_host.pages(host)):
@@ -1529,7 +1529,7 @@ class TierController(AsyncResource):
             )
         if self.storage is None:
             return None
-        return self.storage.prefetch(request_id, host_indices, token_ids, last_hash)
+        return self.storage.prefetch(request_id, host, tokens, last_hash, checked=True)
 
     def abstain_prefetch(self) -> None:
         """With a TP group: take part in a prefetch's hit-count agreement without prefetching.
@@ -1589,7 +1589,7 @@ class TierController(AsyncResource):
                 not settled (its bytes are not there yet: await its ack first).
         """
         self._check_open()
-        host, _ = check_storage_args(
+        host, tokens = check_storage_args(
             self._slots, self.namespace, host_indices, token_ids, hash_value, hash_values
         )
         check_bool(track, "track")
@@ -1600,12 +1600,13 @@ class TierController(AsyncResource):
         if self.storage is None:
             return None
         return self.storage.write_storage(
-            host_indices,
-            token_ids,
+            host,
+            tokens,
             hash_value,
             node_id=node_id,
             hash_values=hash_values,
             track=track,
+            checked=True,
         )
 
     def drain_backup_acks(self) -> list[BackupOperation]:

@@ -740,17 +740,6 @@ class StorageTier:
         job = self._loop.run_in_executor(None, page_hashes, token_ids, self.page_size, prior)
         return await finish(job)
 
-    def _check_tokens(
-        self,
-        host_indices: torch.Tensor,
-        token_ids: Sequence[int],
-        prior_hash: str | None = None,
-        hash_values: list[str] | None = None,
-    ) -> tuple[torch.Tensor, Sequence[int]]:
-        return check_storage_args(
-            self.slots, self.namespace, host_indices, token_ids, prior_hash, hash_values
-        )
-
     # -- prefetch ---------------------------------------------------------------
 
     def rate_limited(self) -> bool:
@@ -764,8 +753,14 @@ class StorageTier:
         host_indices: torch.Tensor,
         token_ids: Sequence[int],
         prior_hash: str | None = None,
+        *,
+        checked: bool = False,
     ) -> PrefetchOperation | None:
         """Start fetching ``token_ids``' pages from storage into ``host_indices``.
+
+        ``checked``: the caller already passed the arguments through
+        `check_storage_args` and hands over what it returned (CPU slots, a
+        list of tokens): skip that pass.
 
         Returns:
             The operation (the tier now owns ``host_indices``), or ``None`` when
@@ -774,7 +769,11 @@ class StorageTier:
         Raises:
             InvalidInputError: slots and tokens that do not match, bad tokens.
         """
-        host, tokens = self._check_tokens(host_indices, token_ids, prior_hash)
+        host, tokens = (
+            (host_indices, token_ids)
+            if checked
+            else check_storage_args(self.slots, self.namespace, host_indices, token_ids, prior_hash)
+        )
         if self.down:
             self.stats.skipped_while_down += 1
             self.abstain()
@@ -1007,6 +1006,7 @@ class StorageTier:
         node_id: object = None,
         hash_values: list[str] | None = None,
         track: bool = True,
+        checked: bool = False,
     ) -> BackupOperation:
         """Back ``host_indices`` (holding ``token_ids``' KV) up to storage, batch by batch.
 
@@ -1016,13 +1016,19 @@ class StorageTier:
         ``track``: report the ended operation through `drain_backup_acks` (an
         engine's scheduler polls it); a caller that awaits the operation or
         registers a done callback passes ``False``, or the ended operations
-        pile up until it drains them.
+        pile up until it drains them. ``checked``: as in `prefetch` (``track``
+        included).
 
         Raises:
             InvalidInputError: bad arguments (see `check_storage_args`).
         """
-        host, tokens = self._check_tokens(host_indices, token_ids, prior_hash, hash_values)
-        check_bool(track, "track")
+        if checked:
+            host, tokens = host_indices, token_ids
+        else:
+            host, tokens = check_storage_args(
+                self.slots, self.namespace, host_indices, token_ids, prior_hash, hash_values
+            )
+            check_bool(track, "track")
         op = BackupOperation(
             node_id, host, hash_values or [], self._loop.create_future(), track=track
         )
