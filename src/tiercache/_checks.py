@@ -34,6 +34,7 @@ import torch
 from tiercache.errors import ConfigError, InvalidInputError
 
 __all__ = [
+    "check_backoff",
     "check_extra_key",
     "FALSE_WORDS",
     "TOKEN_LIMIT",
@@ -344,3 +345,17 @@ def check_extra_key(extra_key: object) -> str | None:
     except UnicodeEncodeError as e:
         raise InvalidInputError(f"extra_key must be encodable as UTF-8: {e}") from None
     return extra_key
+
+
+def check_backoff(first: float, most: float, first_name: str, most_name: str) -> None:
+    """A reconnect backoff that grows from ``first`` seconds up to ``most``.
+
+    Raises:
+        ConfigError: ``most`` below ``first`` (every probe after the first
+            would come sooner); the message names both options.
+    """
+    if most < first:
+        raise ConfigError(
+            f"{most_name}={most:g} must be at least {first_name}={first:g}: "
+            "the probes back off from one up to the other"
+        )

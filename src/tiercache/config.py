@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-from tiercache._checks import check_bool, check_choice, check_int, check_number, parse_bool
+from tiercache._checks import (
+    check_backoff,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    parse_bool,
+)
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.memory.layout import SUPPORTED_DTYPES, KVLayout, dtype_name
 from tiercache.memory.pools import HOST_LAYOUTS
@@ -241,12 +248,12 @@ class TierCacheConfig:
                 )
         if self.host_tokens is not None and self.host_size_bytes is not None:
             raise ConfigError("give host_tokens or host_size_bytes, not both")
-        if self.storage_reconnect_backoff_max_s < self.storage_reconnect_backoff_s:
-            raise ConfigError(
-                f"storage_reconnect_backoff_max_s={self.storage_reconnect_backoff_max_s:g} must be "
-                f"at least storage_reconnect_backoff_s={self.storage_reconnect_backoff_s:g}: "
-                "the probes back off from one up to the other"
-            )
+        check_backoff(
+            self.storage_reconnect_backoff_s,
+            self.storage_reconnect_backoff_max_s,
+            "storage_reconnect_backoff_s",
+            "storage_reconnect_backoff_max_s",
+        )
 
     # -- derived --------------------------------------------------------------
 

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from tiercache._aio import bounded, finish
-from tiercache._checks import check_bool, check_int, is_int
+from tiercache._checks import check_backoff, check_bool, check_int, is_int
 from tiercache._tasks import TaskGroup
 from tiercache.errors import (
     BackendUnavailableError,
@@ -179,12 +179,12 @@ class StorageTierConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
                 raise ConfigError(f"{name} must be a positive number, got {v!r}")
-        if self.reconnect_backoff_max_s < self.reconnect_backoff_s:
-            raise ConfigError(
-                f"reconnect_backoff_max_s={self.reconnect_backoff_max_s:g} must be at least "
-                f"reconnect_backoff_s={self.reconnect_backoff_s:g}: the probes back off from "
-                "one up to the other"
-            )
+        check_backoff(
+            self.reconnect_backoff_s,
+            self.reconnect_backoff_max_s,
+            "reconnect_backoff_s",
+            "reconnect_backoff_max_s",
+        )
 
 
 @dataclass(slots=True)

@@ -83,7 +83,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from tiercache._aio import bounded
-from tiercache._checks import check_choice, check_number, check_positive
+from tiercache._checks import check_backoff, check_choice, check_number, check_positive
 from tiercache.errors import (
     ClosedError,
     ConfigError,
@@ -236,11 +236,7 @@ def _timing_options(extra: Mapping[str, Any]) -> dict[str, Any]:
     defaults = SGLangOptions.__dataclass_fields__
     first = kw.get("reconnect_backoff_s", defaults["reconnect_backoff_s"].default)
     most = kw.get("reconnect_backoff_max_s", defaults["reconnect_backoff_max_s"].default)
-    if most < first:
-        raise ConfigError(
-            f"{_option('reconnect_backoff_max_s')} ({most:g}) must be at least "
-            f"{_option('reconnect_backoff_s')} ({first:g}): the probes back off from one up to the other"
-        )
+    check_backoff(first, most, _option("reconnect_backoff_s"), _option("reconnect_backoff_max_s"))
     return kw
 
 
