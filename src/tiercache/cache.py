@@ -723,8 +723,8 @@ class TierCache(AsyncResource):
             raise InvalidInputError(
                 "free_device: some of these slots belong to an open request (it frees them)"
             )
-        ctl.free_device(dev, ready=ready_ev)
-        self._notify_room()
+        # The controller's settle callbacks (`_notify_room` among them) wake the waiters.
+        ctl.free_device(dev, ready=ready_ev, checked=True)
 
     def _pages(self, dev: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Page ids of page-aligned CPU slot indices."""

@@ -1306,22 +1306,30 @@ class TierController(AsyncResource):
             busy, num_slots = self._busy_host, self.host_pool.num_slots
         return busy.any(check_slot_pages(indices, self.layout.page_size, num_slots, "indices")[1])
 
-    def free_device(self, device_indices: torch.Tensor, *, ready: Ready = None) -> int:
+    def free_device(
+        self, device_indices: torch.Tensor, *, ready: Ready = None, checked: bool = False
+    ) -> int:
         """Free device slots (their host copies, if any, stay). Returns slots freed.
 
         ``ready`` (CUDA only): the last readers of the slots, as an event or
         stream (default: the calling thread's current stream of the pool's
         device, recorded now). The next load's copy stream waits for it before
-        it overwrites any freed slot.
+        it overwrites any freed slot. ``checked``: the caller already
+        validated ``device_indices`` with `check_slot_indices` against the
+        device pool (CPU int64, aligned, in range): skip that pass.
+        Allocation state is always checked.
 
         Raises:
             StateError: a copy of those slots is queued or in flight.
             InvalidInputError / DoubleFreeError: bad or unallocated slots, bad ``ready``.
         """
         self._check_open()
-        dev, pages = check_slot_pages(
-            device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
-        )
+        if checked:
+            dev, pages = device_indices, page_ids(device_indices, self.layout.page_size)
+        else:
+            dev, pages = check_slot_pages(
+                device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
+            )
         if self._busy_device.any(pages):
             raise StateError("device slots with a copy in flight cannot be freed; await its ack")
         self.fence_device_reads(ready)
