@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -155,3 +156,62 @@ def test_wrapped_buffers_may_come_as_one_stacked_tensor_per_kv() -> None:
     assert k[1, 3].eq(1.0).all()
     with pytest.raises(InvalidInputError):
         DeviceKVPool(lay, 16, k_buffers=k[:1], v_buffers=v[:1])  # type: ignore[arg-type]
+
+
+def _mha(n: int = 2) -> KVLayout:
+    return KVLayout(n, 2, 4, torch.float16, 4)
+
+
+def _bufs(n: int = 2, slots: int = 16) -> list[torch.Tensor]:
+    return [torch.zeros(slots, 2, 4, dtype=torch.float16) for _ in range(n)]
+
+
+def test_one_tensor_wrapped_for_two_layers_is_refused_naming_both() -> None:
+    ks, vs = _bufs(), _bufs()
+    with pytest.raises(InvalidInputError, match=r"k_buffers\[0\] and k_buffers\[1\]"):
+        DeviceKVPool(_mha(), 16, k_buffers=[ks[0], ks[0]], v_buffers=vs)
+
+
+def test_one_tensor_wrapped_for_k_and_v_is_refused_naming_both() -> None:
+    ks, vs = _bufs(), _bufs()
+    with pytest.raises(InvalidInputError, match=r"k_buffers\[1\] and v_buffers\[0\]"):
+        DeviceKVPool(_mha(), 16, k_buffers=ks, v_buffers=[ks[1], vs[1]])
+
+
+def test_overlapping_views_of_one_storage_are_refused() -> None:
+    # Two (16, 2, 4) windows of one flat storage, 8 slots apart: they share 8 slots.
+    flat = torch.zeros(24 * 2 * 4, dtype=torch.float16)
+    a = flat[: 16 * 8].view(16, 2, 4)
+    b = flat[8 * 8 : 24 * 8].view(16, 2, 4)
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    with pytest.raises(InvalidInputError, match=r"v_buffers\[0\] and v_buffers\[1\]"):
+        DeviceKVPool(_mha(), 16, k_buffers=_bufs(), v_buffers=[a, b])
+
+
+def test_distinct_storages_over_the_same_memory_are_refused() -> None:
+    # Two tensors, two storages, one block of memory (as from_numpy or DLPack give).
+    arr = np.zeros((16, 2, 4), dtype=np.float16)
+    a, b = torch.from_numpy(arr), torch.from_numpy(arr)
+    assert a.untyped_storage() is not b.untyped_storage()
+    with pytest.raises(InvalidInputError, match="share memory"):
+        DeviceKVPool(_mha(), 16, k_buffers=[a, _bufs(1)[0]], v_buffers=[_bufs(1)[0], b])
+
+
+def test_mla_layers_over_one_tensor_are_refused() -> None:
+    lay = KVLayout(2, 1, 8, torch.float16, 4, mla=True)
+    t = torch.zeros(16, 1, 8, dtype=torch.float16)
+    with pytest.raises(InvalidInputError, match=r"kv_buffers\[0\] and kv_buffers\[1\]"):
+        DeviceKVPool(lay, 16, kv_buffers=[t, t])
+
+
+def test_disjoint_views_of_one_storage_are_accepted() -> None:
+    # One (2, L, slots, H, D) tensor for K and V, as an engine may allocate: every
+    # layer of both is a view of it, none overlapping another.
+    joint = torch.zeros(2, 2, 16, 2, 4, dtype=torch.float16)
+    pool = DeviceKVPool(_mha(), 16, k_buffers=list(joint[0]), v_buffers=list(joint[1]))
+    pool.v_buffer[0][5] = 2.0
+    assert joint[1, 0, 5].eq(2.0).all() and int(joint.count_nonzero()) == 8
+    # Adjacent windows of one flat storage touch but do not overlap.
+    flat = torch.zeros(4 * 16 * 8, dtype=torch.float16)
+    views = [flat[i * 128 : (i + 1) * 128].view(16, 2, 4) for i in range(4)]
+    DeviceKVPool(_mha(), 16, k_buffers=views[:2], v_buffers=views[2:])

@@ -184,6 +184,16 @@ CASES: list[Case] = [
         ),
         InvalidInputError,
     ),
+    (
+        "device pool wraps one tensor for two layers",
+        lambda w: DeviceKVPool(
+            LAYOUT,
+            16,
+            k_buffers=[torch.zeros(16, 2, 8, dtype=torch.float16)] * 2,
+            v_buffers=[torch.zeros(16, 2, 8, dtype=torch.float16) for _ in range(2)],
+        ),
+        InvalidInputError,
+    ),
     ("host pool absurd size", lambda w: HostKVPool(LAYOUT, PS << 40), CapacityError),
     ("host pool absurd bytes", lambda w: HostKVPool(LAYOUT, size_bytes=1 << 60), CapacityError),
     (

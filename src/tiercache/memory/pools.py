@@ -145,11 +145,14 @@ class DeviceKVPool:
         num_slots: token slots; a multiple of the page size.
         device: ``"cpu"`` or a CUDA device.
         k_buffers, v_buffers: MHA tensors an engine already owns, to wrap
-            instead of allocating (one per layer, right shape, dtype, device).
+            instead of allocating (one per layer, right shape, dtype, device,
+            contiguous; no two may share memory, though they may be disjoint
+            views of one larger tensor).
         kv_buffers: the same for MLA.
 
     Raises:
-        InvalidInputError: sizes, shapes, dtypes or devices that do not match.
+        InvalidInputError: sizes, shapes, dtypes or devices that do not match,
+            or wrapped buffers that overlap in memory (the message names two).
         CapacityError: the pool does not fit in the device's memory.
     """
 
@@ -179,7 +182,19 @@ class DeviceKVPool:
                 raise InvalidInputError("an MHA pool wraps k_buffers and v_buffers, not kv_buffers")
             if any(g is None for g in given):
                 raise InvalidInputError("wrap both k_buffers and v_buffers")
-            self.buffers = [self._check_wrapped(list(g), shape) for g in given if g is not None]
+            names = ("kv_buffers",) if layout.mla else ("k_buffers", "v_buffers")
+            self.buffers = [
+                self._check_wrapped(list(g), shape, name)
+                for g, name in zip(given, names, strict=True)
+                if g is not None
+            ]
+            _check_disjoint(
+                [
+                    (f"{name}[{i}]", t)
+                    for name, g in zip(names, self.buffers, strict=True)
+                    for i, t in enumerate(g)
+                ]
+            )
             self.stacked: list[torch.Tensor] | None = None
             self.joint: torch.Tensor | None = None
         else:
@@ -208,29 +223,25 @@ class DeviceKVPool:
             self.buffers = [list(t.unbind(0)) for t in self.stacked]
 
     def _check_wrapped(
-        self, bufs: list[torch.Tensor], shape: tuple[int, ...]
+        self, bufs: list[torch.Tensor], shape: tuple[int, ...], name: str
     ) -> list[torch.Tensor]:
+        """``bufs`` (the ``name`` argument) once each is one layer's contiguous buffer of ``shape``."""
         if len(bufs) != self.layout.num_layers:
             raise InvalidInputError(
-                f"expected {self.layout.num_layers} layer buffers, got {len(bufs)}"
+                f"{name}: expected {self.layout.num_layers} layer buffers, got {len(bufs)}"
             )
         for i, t in enumerate(bufs):
+            what = f"{name}[{i}]"
             if not isinstance(t, torch.Tensor):
-                raise InvalidInputError(f"layer {i} buffer is not a tensor")
+                raise InvalidInputError(f"{what} is not a tensor")
             if tuple(t.shape) != shape:
-                raise InvalidInputError(
-                    f"layer {i} buffer has shape {tuple(t.shape)}, expected {shape}"
-                )
+                raise InvalidInputError(f"{what} has shape {tuple(t.shape)}, expected {shape}")
             if t.dtype != self.layout.dtype:
-                raise InvalidInputError(
-                    f"layer {i} buffer has dtype {t.dtype}, expected {self.layout.dtype}"
-                )
+                raise InvalidInputError(f"{what} has dtype {t.dtype}, expected {self.layout.dtype}")
             if t.device != self.device:
-                raise InvalidInputError(
-                    f"layer {i} buffer is on {t.device}, expected {self.device}"
-                )
+                raise InvalidInputError(f"{what} is on {t.device}, expected {self.device}")
             if not t.is_contiguous():
-                raise InvalidInputError(f"layer {i} buffer is not contiguous")
+                raise InvalidInputError(f"{what} is not contiguous")
         return bufs
 
     @property
@@ -257,6 +268,40 @@ class DeviceKVPool:
 
     def __repr__(self) -> str:
         return f"DeviceKVPool({self.layout.describe()}, num_slots={self.num_slots}, device={self.device})"
+
+
+def _check_disjoint(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Refuse buffers that share memory: a write to one layer (or to K) would land in another.
+
+    The same tensor passed twice, overlapping views of one storage, or two
+    storages over one block of memory (``from_numpy`` or DLPack of the same
+    array) all alias. Every buffer is contiguous (checked before), so it
+    spans exactly ``[data_ptr, data_ptr + nbytes)`` of the device's address
+    space: ``data_ptr`` is its storage's address plus its storage offset. So
+    the check compares byte ranges, not tensor identity, and views of one
+    stacked tensor that do not overlap (an engine's ``(L, slots, H, D)``
+    tensor, one view per layer) pass. Sorted by start, one pass: O(n log n).
+
+    Args:
+        named: each buffer with the name the caller gave it (``"k_buffers[1]"``).
+
+    Raises:
+        InvalidInputError: two buffers overlap; the message names both.
+    """
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+        for i, (_, t) in enumerate(named)
+    )
+    reach, holder = -1, -1  # the furthest end so far, and whose it is
+    for start, end, i in spans:
+        if start < reach:
+            first, second = sorted((holder, i))
+            raise InvalidInputError(
+                f"{named[first][0]} and {named[second][0]} share memory: each layer's K and V "
+                "need a buffer of their own, or writing one overwrites the other"
+            )
+        if end > reach:
+            reach, holder = end, i
 
 
 def host_page_buffer(
