@@ -24,9 +24,12 @@ INPUTS: list[Any] = [
     torch.tensor([0, 1, 2], dtype=torch.uint8),
     torch.tensor([0, 1, 2]).to(torch.uint32),
     [np.int64(3), np.int32(4)],
-    [True, False],
     [],
     # refused
+    [True, False],
+    (False,),
+    [5, 0, True],
+    [np.True_],
     [-1],
     [2**32],
     torch.tensor([-1]),
@@ -59,6 +62,25 @@ def test_token_list_and_the_hash_chain_give_one_answer(value: Any) -> None:
         return
     assert all(type(t) is int for t in ids)
     assert pack_tokens(value) == np.array(ids, dtype="<u4").tobytes()
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [[True], (False, 1), [0, 1, 2, True], [1] * 300 + [False], [np.bool_(True)]],
+    ids=lambda v: repr(v)[:30],
+)
+def test_a_bool_is_not_a_token_id(tokens: list[Any]) -> None:
+    """``True == 1`` in Python, but a bool among token ids is a caller's bug, as a bool tensor is."""
+    from tiercache.index.hashing import hash_page, page_hashes
+
+    for check in (token_list, pack_tokens, hash_page, lambda t: page_hashes(t, 1)):
+        with pytest.raises(InvalidInputError, match="bool"):
+            check(tokens)
+
+
+def test_ints_equal_to_bools_stay_token_ids() -> None:
+    assert token_list([0, 1, 1, 0]) == [0, 1, 1, 0]
+    assert token_list((np.int64(1), np.uint8(0))) == [1, 0]
 
 
 def test_counts_names_and_slot_tensors() -> None:

@@ -2,12 +2,12 @@
 
 One input has one answer wherever it is passed: a list, a tuple, a 1-D
 integer numpy array and a 1-D integer tensor of the same token ids are the
-same prompt; an id outside ``[0, 2**32)`` (what a storage key can encode) is an
-`InvalidInputError` at `TierCache.request`, `TierCache.insert`,
-`TierCache.match_prefix`, `TierCache.prefetch`, `Request.commit` and
-`tiercache.index.hash_page` alike. Counts are non-negative ints, never
-``bool`` or ``float``; names of policies come from a fixed tuple; slot
-arguments are 1-D ``int64`` tensors, never lists.
+same prompt; an id outside ``[0, 2**32)`` (what a storage key can encode), or a
+``bool`` (in a list as in a tensor), is an `InvalidInputError` at
+`TierCache.request`, `TierCache.insert`, `TierCache.match_prefix`,
+`TierCache.prefetch`, `Request.commit` and `tiercache.index.hash_page` alike.
+Counts are non-negative ints, never ``bool`` or ``float``; names of policies
+come from a fixed tuple; slot arguments are 1-D ``int64`` tensors, never lists.
 
 Configuration reads the same way: sizes are positive ints (`check_positive`),
 durations finite numbers (`check_number`), and every on/off option, from a
@@ -76,7 +76,8 @@ def token_array(tokens: object, what: str = "tokens") -> array[int] | npt.NDArra
 
     Raises:
         InvalidInputError: not one of those types, a non-integer element or
-            dtype, not 1-D, or an id outside ``[0, 2**32)``.
+            dtype (``bool`` included: ``[True]`` is not ``[1]``), not 1-D, or
+            an id outside ``[0, 2**32)``.
     """
     if isinstance(tokens, list | tuple):  # the common case first: prompts are lists
         return _sequence_ids(tokens, what)
@@ -140,16 +141,36 @@ def _sequence_ids(tokens: Sequence[Any], what: str) -> array[int]:
     """A sequence of ids as ``array('I')``.
 
     ``array('I')`` checks the type and range of every element in C (numpy
-    integers are taken; a bool is the int it equals, as everywhere in Python).
+    integers are taken). It takes a ``bool`` too, as the int it equals;
+    `_refuse_bools` then refuses it, as a bool tensor or array is refused.
     """
     try:
-        return array("I", tokens)
+        ids = array("I", tokens)
     except OverflowError as e:
         bad = next((t for t in tokens if not 0 <= operator.index(t) < TOKEN_LIMIT), None)
         raise InvalidInputError(f"{what} must lie in [0, 2**32), got {bad!r}") from e
     except TypeError as e:
         bad = next((t for t in tokens if not is_int(t)), None)
         raise InvalidInputError(f"{what} must be ints, got {type(bad).__name__} {bad!r}") from e
+    _refuse_bools(tokens, ids, what)
+    return ids
+
+
+def _refuse_bools(tokens: Sequence[Any], ids: array[int], what: str) -> None:
+    """Refuse ``True`` / ``False`` among ``tokens`` (``ids`` is their ``array('I')``).
+
+    Only an element whose id is 0 or 1 can be a bool: numpy finds those in
+    ``ids`` without a Python loop, and only they are looked at (a prompt has
+    few), so a long prompt pays microseconds, not a pass in Python.
+
+    Raises:
+        InvalidInputError: an element is a ``bool``.
+    """
+    if not ids:
+        return
+    for i in np.flatnonzero(np.frombuffer(ids, dtype=np.uint32) <= 1).tolist():
+        if isinstance(tokens[i], bool):
+            raise InvalidInputError(f"{what} must be ints, got bool {tokens[i]!r} at position {i}")
 
 
 def is_int(value: object) -> bool:

@@ -333,6 +333,8 @@ BAD_IDS: list[Any] = [
     torch.zeros(32),  # float tensor
     torch.zeros(2, 16, dtype=torch.int64),  # 2-D
     [1.0] * 32,
+    [True] * 32,  # True == 1, but a bool is no token id
+    [7] * 31 + [False],
     ["a"] * 32,
     "abc",
     b"abc",

@@ -48,8 +48,8 @@ def pack_tokens(token_ids: object) -> bytes:
             torch tensor (any device; a CUDA tensor is copied to the host).
 
     Raises:
-        InvalidInputError: not a sequence of integers, not 1-D, or a token
-            outside ``[0, 2**32)``.
+        InvalidInputError: not a sequence of integers (a ``bool`` is none),
+            not 1-D, or a token outside ``[0, 2**32)``.
     """
     ids = token_array(token_ids, "token ids")
     if isinstance(ids, array):
