@@ -1136,10 +1136,9 @@ class TierCache(AsyncResource):
         ps = self.layout.page_size
         differ = ~same[: dup.numel() // ps]
         if bool(differ.any()):
-            # The producer may still be writing them: the next load waits.
-            ctl.fence_device_reads(ready)
-            ctl.device_allocator.free(dup.view(-1, ps)[differ].reshape(-1), checked=True)
-            self._notify_room()
+            # The producer may still be writing them: the next load waits
+            # (``ready``), and the controller's settle callbacks wake the waiters.
+            ctl.free_device(dup.view(-1, ps)[differ].reshape(-1), ready=ready, checked=True)
 
     async def _wait_loads_under(
         self, toks: list[int], extra_key: str | None, dev: torch.Tensor

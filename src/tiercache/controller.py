@@ -339,6 +339,17 @@ def _is_large(indices: object) -> bool:
     return isinstance(indices, torch.Tensor) and indices.numel() >= _YIELD_SLOTS
 
 
+def _priority(priority: object) -> int:
+    """A copy's ``priority`` once it is an int (checked before the copy takes any slot).
+
+    Raises:
+        InvalidInputError: anything else.
+    """
+    if priority.__class__ is int:  # the common case, without the full check
+        return priority
+    return check_int(priority, "priority")
+
+
 def _unique_events(
     events: Any,
 ) -> list[torch.cuda.Event]:
@@ -750,11 +761,9 @@ class TierController(AsyncResource):
         node_id: int | None,
         track: bool,
     ) -> _Operation:
-        """A new operation on ``host`` and ``dev`` (CPU slots, and their page ids)."""
+        """A new operation on ``host`` and ``dev`` (CPU slots, and their page ids; ``priority`` checked)."""
         loop = self._loop
         assert loop is not None  # the submitting verb checked the controller is open
-        if priority.__class__ is not int:
-            priority = check_int(priority, "priority")
         nid = next(self._ids) if node_id is None else node_id
         ack = CopyAck(kind, nid, host[0], dev[0], loop.create_future())
         op = _Operation(host[0], dev[0], priority, ack, track, host[1], dev[1])
@@ -850,6 +859,7 @@ class TierController(AsyncResource):
         )
         if not self.device_allocator.pages_allocated(dev[1]):
             raise InvalidInputError("device_indices include slots that are not allocated")
+        priority = _priority(priority)
         ready_ev = self.ready_event(ready, "submit_write")
         host = self.host_allocator.alloc_pages(dev[0].numel())
         if host is None:
@@ -970,6 +980,7 @@ class TierController(AsyncResource):
         )
         if not self.host_allocator.pages_allocated(host[1]):
             raise InvalidInputError("host_indices include slots that are not allocated")
+        priority = _priority(priority)
         ready_ev = self.ready_event(ready, "submit_load")
         dev = self.device_allocator.alloc_pages(host[0].numel())
         if dev is None:
@@ -1317,7 +1328,8 @@ class TierController(AsyncResource):
         it overwrites any freed slot. ``checked``: the caller already
         validated ``device_indices`` with `check_slot_indices` against the
         device pool (CPU int64, aligned, in range): skip that pass.
-        Allocation state is always checked.
+        Allocation state is always checked, before the fence is recorded: a
+        refused call leaves no fence and wakes no waiter.
 
         Raises:
             StateError: a copy of those slots is queued or in flight.
@@ -1332,8 +1344,11 @@ class TierController(AsyncResource):
             )
         if self._busy_device.any(pages):
             raise StateError("device slots with a copy in flight cannot be freed; await its ack")
-        self.fence_device_reads(ready)
+        fence = self.ready_event(ready, "free_device")
+        # The allocator refuses a double free before it changes anything: only
+        # then is the fence recorded and are the waiters for room woken.
         self.device_allocator.free_pages(pages)
+        self._add_fence(fence)
         self._notify_settled()
         return int(dev.numel())
 
@@ -1349,7 +1364,10 @@ class TierController(AsyncResource):
         Raises:
             InvalidInputError: bad ``ready``.
         """
-        ev = self.ready_event(ready, "fence_device_reads")
+        self._add_fence(self.ready_event(ready, "fence_device_reads"))
+
+    def _add_fence(self, ev: torch.cuda.Event | None) -> None:
+        """Have the next `start_loading` wait for ``ev`` (``None``: nothing to wait for)."""
         if ev is not None:
             self._device_fences.append(ev)
 

@@ -405,6 +405,49 @@ async def test_bad_input_raises_documented_errors() -> None:
     await c.aclose()  # idempotent
 
 
+async def test_a_refused_free_device_records_no_fence_and_wakes_nobody(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A double free is refused before the load fence (CUDA) is recorded or waiters woken."""
+    async with make() as c:
+        woken: list[None] = []
+        c.add_settle_callback(lambda: woken.append(None))
+        # A CPU pool has no events: stand one in, as a CUDA pool would resolve ``ready``.
+        monkeypatch.setattr(c, "ready_event", lambda ready, what="ready": "fence")
+        slots = c.device_allocator.alloc(32)
+        assert slots is not None
+        c.free_device(slots)
+        assert c._device_fences == ["fence"] and len(woken) == 1
+        c._device_fences.clear()
+        again = c.device_allocator.alloc(16)
+        assert again is not None
+        for bad in (slots, torch.cat([again, again])):  # freed already; one page twice
+            with pytest.raises(DoubleFreeError):
+                c.free_device(bad)
+        assert c._device_fences == [] and len(woken) == 1
+        assert c.device_allocator.is_allocated(again)
+
+
+async def test_a_refused_priority_takes_no_slot() -> None:
+    """The priority is checked before a write or load allocates its slots, not after."""
+    async with make() as c:
+        dev = c.device_allocator.alloc(16)
+        assert dev is not None
+        with pytest.raises(InvalidInputError, match="priority"):
+            c.submit_write(dev, priority="high")  # type: ignore[arg-type]
+        ack = c.submit_write(dev)
+        assert ack is not None
+        assert torch.equal(ack.host_indices, torch.arange(16))  # the first free host page
+        await ack
+        with pytest.raises(InvalidInputError, match="priority"):
+            c.submit_load(ack.host_indices, priority=1.5)  # type: ignore[arg-type]
+        load = c.submit_load(ack.host_indices)
+        assert load is not None
+        assert torch.equal(load.device_indices, torch.arange(16, 32))  # the next free device page
+        c.start_loading()
+        await load
+
+
 def test_constructor_validation() -> None:
     lay = KVLayout(2, 2, 8, torch.float16, 16)
     for bad in ({"inline_copy_bytes": -1}, {"inline_copy_bytes": 1.5}, {"track_acks": 1}):
