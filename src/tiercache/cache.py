@@ -124,7 +124,10 @@ class _RoomQueue:
             event.set()
 
     async def serve(
-        self, attempt: Callable[[], Awaitable[_T | None]], deadline: float
+        self,
+        attempt: Callable[[], Awaitable[_T | None]],
+        deadline: float,
+        needs_nothing: Callable[[], bool] = lambda: False,
     ) -> _T | None:
         """Wait for this task's turn, then run ``attempt`` whenever room may have appeared.
 
@@ -132,6 +135,10 @@ class _RoomQueue:
             attempt: takes the room and returns what it took, or ``None`` to
                 wait for the next wake; it may raise to give up.
             deadline: the ``loop.time()`` at which waiting stops.
+            needs_nothing: whether the task needs no room any more (another
+                task did its work meanwhile): then it attempts at once,
+                wherever it stands in the queue, since taking nothing it
+                passes no one.
 
         Returns:
             ``attempt``'s first result, or ``None`` once the deadline has passed.
@@ -152,7 +159,7 @@ class _RoomQueue:
         try:
             while True:
                 event = self._event  # taken before the attempt: a wake during it is not lost
-                if self._tickets[0] is ticket:
+                if self._tickets[0] is ticket or needs_nothing():
                     got = await attempt()
                     if got is not None:
                         return got
@@ -590,11 +597,14 @@ class TierCache(AsyncResource):
         Every device allocation that may wait goes through here: at once when
         nobody waits and the room is free, else in the device `_RoomQueue`,
         where the head evicts for its shortfall (`_make_device_room`) and
-        the others wait behind it.
+        the others wait behind it. A call that needs no slots (an alloc of
+        0, a load back whose pages another call loaded meanwhile) never
+        waits, whether on arrival or while queued: ``take`` runs at once.
 
         Args:
             need: the slots still needed (re-read each turn: a load back
-                may shrink while it waits).
+                may shrink while it waits); ``take`` never returns ``None``
+                when it is 0.
             take: the allocation itself.
             own: device slots the caller itself holds outside the index (a
                 request's earlier `Request.alloc`): waiting for those is futile.
@@ -604,7 +614,7 @@ class TierCache(AsyncResource):
                 device slots, so waiting cannot help.
             ClosedError: the cache was closed while the caller waited.
         """
-        if not self._device_queue:
+        if not self._device_queue or need() <= 0:
             got = take()
             if got is not None:
                 return got
@@ -620,10 +630,10 @@ class TierCache(AsyncResource):
             self._blocked[key] = own
             self._device_queue.wake()
         try:
-            got = await self._device_queue.serve(attempt, deadline)
+            got = await self._device_queue.serve(attempt, deadline, lambda: need() <= 0)
         finally:
             self._blocked.pop(key, None)
-        if got is None:
+        if got is None:  # it needed room to the end: need() > 0 here
             raise CapacityError(
                 f"no room for {need()} device slots within alloc_timeout_s={timeout}: "
                 f"{self.controller.device_allocator.available} free, the rest held by others"
@@ -1305,9 +1315,9 @@ class TierCache(AsyncResource):
         """Load the host part of ``match`` into device slots, layer by layer.
 
         Waits for device room as `alloc_device` does. When a concurrent call
-        loaded the same nodes meanwhile, nothing is loaded twice: the prefix
-        comes back with no handle of its own (`request` waits on the other
-        load). If the copy fails, the nodes go back to host-only and their
+        loaded the same nodes meanwhile (before or while this one waits),
+        nothing is loaded twice: the prefix comes back at once with no handle
+        of its own (`request` waits on the other load). If the copy fails, the nodes go back to host-only and their
         device slots are freed once the copy has settled: the index never
         claims KV that did not land, and the next request loads it again.
 

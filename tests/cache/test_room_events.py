@@ -238,3 +238,55 @@ async def test_a_deadline_timer_that_fires_early_still_ends_the_wait(
     async with asyncio.timeout(2):
         assert await queue.serve(never, loop.time() + 60.0) is None
     assert attempts and len(queue) == 0
+
+
+async def test_a_call_that_needs_no_device_room_does_not_queue_behind_a_waiter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing to take, nothing to wait for: no turn in the queue, no timeout, no error.
+
+    A load back whose pages another call loaded meanwhile, and an alloc of 0
+    slots, used to wait behind the head of the device queue; when the head
+    was still evicting at their deadline, they failed with "no room for 0
+    device slots".
+    """
+    async with TierCache(config(write_policy="write_back", alloc_timeout_s=0.3)) as cache:
+        prompt = list(range(32))
+        await fill(cache, prompt)
+        assert await cache.evict_device(32) == 32  # written back, then evicted
+        stale = cache.match_prefix(prompt)
+        assert stale.host_tokens == 32
+        prefix, handle = await cache.load_back(stale)  # another caller loads the pages
+        assert handle is not None
+        await handle
+        node = cache.match_prefix(prompt).index.last_device_node
+        cache.lock(node)  # nothing may evict them
+        await fill(cache, list(range(100, 116)))  # device only: leaving needs a write back
+        held = await cache.alloc_device(16)  # the device is full now
+        gate = Gate(monkeypatch, cache, "backup_all_layers")
+        # The head of the queue evicts for its room, and waits for that write back.
+        waiting = asyncio.Event()
+        real_wait = cache._wait_write_backs
+
+        async def wait_write_backs(writes: Any, failed: set[int]) -> None:
+            waiting.set()
+            await real_wait(writes, failed)
+
+        monkeypatch.setattr(cache, "_wait_write_backs", wait_write_backs)
+        waiter = asyncio.ensure_future(cache.alloc_device(16))
+        await settle(waiting.wait())
+        assert len(cache._device_queue) == 1
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        again, none = await settle(cache.load_back(stale))
+        assert none is None and torch.equal(again, prefix)
+        assert (await settle(cache.alloc_device(0))).numel() == 0
+        async with cache.request(prompt + [7]) as req:
+            assert req.cached_tokens == 32
+            assert (await settle(req.alloc(0))).numel() == 0
+        assert loop.time() - began < 0.2  # none of them waited for the head
+        assert not waiter.done()
+        gate.open.set()
+        cache.free_device(await settle(waiter))
+        cache.free_device(held)
+        cache.unlock(node)
