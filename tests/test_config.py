@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 from pathlib import Path
 
 import pytest
@@ -253,3 +255,48 @@ def test_a_reconnect_backoff_maximum_below_its_first_delay_is_refused(
     assert TierCacheConfig(
         storage_reconnect_backoff_s=2.0, storage_reconnect_backoff_max_s=2.0
     ).storage_tier_config()
+
+
+def test_a_config_is_hashable_and_its_hash_follows_equality() -> None:
+    a = TierCacheConfig(storage_url="memory://", storage_options={"capacity_bytes": 10})
+    b = TierCacheConfig.from_dict(a.to_dict())
+    assert a == b and hash(a) == hash(b)
+    assert hash(TierCacheConfig()) == hash(TierCacheConfig())
+    assert len({a, b, TierCacheConfig()}) == 2
+    # An option value need not be hashable for the config to be.
+    hosts = TierCacheConfig(storage_options={"hosts": ["a", "b"]})
+    assert hash(hosts) == hash(TierCacheConfig(storage_options={"hosts": ["a", "b"]}))
+    assert hosts != TierCacheConfig(storage_options={"hosts": ["a"]})
+    for twin in (copy.deepcopy(a), pickle.loads(pickle.dumps(a))):
+        assert twin == a and hash(twin) == hash(a)
+
+
+def test_storage_options_cannot_change_under_a_config() -> None:
+    given = {"capacity_bytes": 10}
+    c = TierCacheConfig(storage_options=given)
+    given["capacity_bytes"] = 20  # the caller's dict is copied
+    assert c.storage_options == {"capacity_bytes": 10}
+    with pytest.raises(TypeError):
+        c.storage_options["capacity_bytes"] = 30  # type: ignore[index]
+    assert dict(c.storage_options) == {"capacity_bytes": 10} == c.to_dict()["storage_options"]
+
+
+def test_every_frozen_settings_class_is_hashable() -> None:
+    from tiercache.demo import DemoSettings
+    from tiercache.integrations._metrics import MetricsOptions
+    from tiercache.memory.layout import KVLayout
+    from tiercache.models.tiny import TinyConfig
+    from tiercache.storage.faults import FaultKind, FaultPlan, FaultSpec
+    from tiercache.storage_tier import StorageTierConfig
+
+    spec = FaultSpec(FaultKind.ERROR, ops=["get", "set"])
+    for value in (
+        DemoSettings(),
+        MetricsOptions(),
+        KVLayout(2, 2, 8),
+        TinyConfig(),
+        spec,
+        FaultPlan.of(spec, seed=1),
+        StorageTierConfig(),
+    ):
+        assert hash(value) == hash(copy.deepcopy(value)), value

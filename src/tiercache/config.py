@@ -20,6 +20,7 @@ from tiercache._checks import (
     check_number,
     parse_bool,
 )
+from tiercache._frozen import FrozenMapping
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.memory.layout import SUPPORTED_DTYPES, KVLayout, dtype_name
 from tiercache.memory.pools import HOST_LAYOUTS
@@ -113,7 +114,8 @@ class TierCacheConfig:
         ``write_through_selective`` (once a node's hit count reaches
         ``write_through_threshold``), ``write_back`` (when evicted from device).
         storage_url: an L3 backend to attach on open (``None``: none), with
-        ``storage_options`` (a mapping).
+        ``storage_options`` (a mapping, kept as a read-only copy so that the
+        config stays a hashable value).
         prefetch_policy: ``timeout`` (the default: wait up to
         ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens /
         1024`` seconds, capped at ``prefetch_timeout_max``, so a request after
@@ -190,7 +192,8 @@ class TierCacheConfig:
         if bad_names:
             # They are passed as keyword arguments when the backend opens.
             raise ConfigError(f"storage_options names must be non-empty str, got {bad_names!r}")
-        object.__setattr__(self, "storage_options", dict(self.storage_options))
+        # Read-only and hashable: the config is a frozen value, options included.
+        object.__setattr__(self, "storage_options", FrozenMapping(self.storage_options))
         self._check_numbers()
         self._check_names()
         self._check_sizes()

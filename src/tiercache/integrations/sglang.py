@@ -84,6 +84,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from tiercache._aio import bounded
 from tiercache._checks import check_backoff, check_choice, check_number, check_positive
+from tiercache._frozen import FrozenMapping
 from tiercache.errors import (
     ClosedError,
     ConfigError,
@@ -144,6 +145,10 @@ class SGLangOptions:
     reconnect_backoff_max_s: float = 30.0
     model_name: str | None = None
     metrics: MetricsOptions = MetricsOptions()
+
+    def __post_init__(self) -> None:
+        # Read-only and hashable, as the options of a frozen value must be.
+        object.__setattr__(self, "backend_options", FrozenMapping(self.backend_options))
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> SGLangOptions:

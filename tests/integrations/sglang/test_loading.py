@@ -103,6 +103,19 @@ def test_options_reach_the_tiercache_backend(file_store: str) -> None:
         backend.close()
 
 
+def test_the_options_are_a_hashable_frozen_value() -> None:
+    from tiercache.integrations.sglang import SGLangOptions
+
+    given = {"capacity_bytes": 10, "hosts": ["a"]}
+    a = SGLangOptions.from_extra_config({"url": "memory://", "backend_options": given})
+    b = SGLangOptions(url="memory://", backend_options=dict(given))
+    assert a == b and hash(a) == hash(b)
+    given["capacity_bytes"] = 20  # the caller's dict is copied
+    assert a.backend_options["capacity_bytes"] == 10
+    with pytest.raises(TypeError):
+        a.backend_options["capacity_bytes"] = 30  # type: ignore[index]
+
+
 def test_an_unsupported_host_layout_is_refused_by_name(file_store: str) -> None:
     from tiercache.errors import ConfigError
 
