@@ -252,9 +252,10 @@ class AdapterStats:
     Counted on SGLang's threads, under a lock: ``get_*`` / ``set_*`` are pages
     asked for and pages served or stored, ``exists_*`` hit queries and the
     pages they found; ``errors`` and ``timeouts`` are failed calls (each a miss
-    for SGLang); ``skipped_while_down`` calls not made under the fault policy
-    or after close; ``skipped_not_writer`` MLA pages not written on ranks
-    other than 0.
+    for SGLang); ``cancelled`` calls that `TierCacheStorage.close` cut short
+    (in flight when it began: misses too, but no failure of the store);
+    ``skipped_while_down`` calls not made under the fault policy or after
+    close; ``skipped_not_writer`` MLA pages not written on ranks other than 0.
     """
 
     get_pages: int = 0
@@ -265,6 +266,7 @@ class AdapterStats:
     exists_hits: int = 0
     errors: int = 0
     timeouts: int = 0
+    cancelled: int = 0
     skipped_while_down: int = 0
     skipped_not_writer: int = 0
     down: bool = False
@@ -384,6 +386,8 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.outages = 0
         self.reconnects = 0
         self._down = False
+        #: `close` has begun: a call that ends badly from now on was cut short by it.
+        self._closing = False
         self._probe: asyncio.Task[None] | None = None
         self._stats_lock = threading.Lock()
         self._close_lock = threading.Lock()
@@ -482,16 +486,20 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return default
         try:
             return self._loop.run(self._guarded(what, coro), self.options.timeout_s + _GRACE_S)
-        except _Skipped:
-            self._count(skipped_while_down=1)
-        except StorageTimeoutError as e:
-            self._count(timeouts=1)
-            logger.warning("tiercache %s timed out, treated as a miss: %s", what, e)
-        except ClosedError:
+        except (_Skipped, ClosedError):
             self._count(skipped_while_down=1)
         except Exception as e:
-            self._count(errors=1)
-            logger.warning("tiercache %s failed, treated as a miss: %r", what, e)
+            if self._closing:
+                # Cancelled by close, or failed as close shut the store under
+                # it: what close does to calls in flight, not a failure.
+                self._count(cancelled=1)
+                logger.debug("tiercache %s cut short by close, treated as a miss: %r", what, e)
+            elif isinstance(e, StorageTimeoutError):
+                self._count(timeouts=1)
+                logger.warning("tiercache %s timed out, treated as a miss: %s", what, e)
+            else:
+                self._count(errors=1)
+                logger.warning("tiercache %s failed, treated as a miss: %r", what, e)
         return default
 
     async def _guarded(self, what: str, coro: Coroutine[Any, Any, T]) -> T:
@@ -509,7 +517,8 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 f"{what} timed out after {self.options.timeout_s} s"
             ) from None
         except Exception:
-            self._failed()
+            if not self._closing:  # a store closed under the call has not failed
+                self._failed()
             raise
         self._failures = 0
         return result
@@ -739,7 +748,8 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
         Returns:
             The `AdapterStats` fields (pages asked for and served, errors,
-            timeouts, calls skipped while the backend was down, MLA writes
+            timeouts, calls cut short by `close`, calls skipped while the
+            backend was down, MLA writes
             skipped on ranks other than 0); ``outages`` and ``reconnects`` of
             the fault policy and ``down`` (the backend is not being called);
             and the storage backend's own `BackendStats` under ``backend.*``
@@ -770,11 +780,13 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
         Idempotent.
 
-        Pending calls are cancelled; afterwards every call is a miss.
+        Pending calls are cancelled (counted as ``cancelled``, not as errors);
+        afterwards every call is a miss.
         """
         with self._close_lock:
             if self._loop.closed:
                 return
+            self._closing = True
             self._down = True
             if self.metrics is not None:
                 self.metrics.close()

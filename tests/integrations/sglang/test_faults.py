@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -103,3 +104,30 @@ def test_auto_detach_stops_calling_the_store_for_good(redis_server: Any) -> None
         assert s["down"] is True and s["reconnects"] == 0 and s["skipped_while_down"] == 1
     finally:
         b.close()
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [
+        "fault=hang",  # close ends it: the closed backend raises in it
+        "fault=latency&fault_delay=60",  # close cancels it on the loop
+    ],
+)
+def test_a_call_that_close_cuts_short_is_not_an_error(faults: str) -> None:
+    host = _host()
+    b = _backend(f"faulty+memory://?{faults}&fault_ops=exists", host, timeout_s=60.0)
+    keys = h.chain(list(range(8)), 4)
+    answers: list[int] = []
+    caller = threading.Thread(target=lambda: answers.append(b.batch_exists(keys)))
+    try:
+        caller.start()
+        _wait(lambda: b.backend.total_injected == 1)  # the call is in flight
+        b.close()
+        caller.join(10)
+        assert answers == [0]  # a miss for SGLang, as ever
+        s = b.stats()
+        assert (s["errors"], s["timeouts"], s["cancelled"]) == (0, 0, 1), s
+        assert s["outages"] == 0  # nor a failure for the fault policy
+    finally:
+        b.close()
+        caller.join(10)
