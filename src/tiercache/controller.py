@@ -395,12 +395,16 @@ class _HostSlots:
 
     The host pool and its allocator, the device (for collectives), holds on
     host pages that a storage call reads or fills (the same per-page counts
-    that copies keep, so `free_host` refuses such pages), and the fault
-    callback. Built by the controller from its own parts; loop thread only.
+    that copies keep, so `free_host` refuses such pages), the pages a
+    prefetch fills (so `write_storage` and `submit_load` refuse them), and
+    the fault callback. Built by the controller from its own parts; loop
+    thread only.
 
     Args:
         pool, allocator, device: what the properties return.
         busy: the controller's per-page use counts of the host pool.
+        writing: the pages device->host copies fill (the controller keeps them).
+        fetching: the pages prefetches fill (kept here, by `hold` and `release`).
         released: called after a hold ends (the controller's settle callbacks).
         failed: called with a tier its fault policy gave up on.
 
@@ -411,7 +415,16 @@ class _HostSlots:
     large).
     """
 
-    __slots__ = ("_allocator", "_busy", "_device", "_failed", "_pool", "_released")
+    __slots__ = (
+        "_allocator",
+        "_busy",
+        "_device",
+        "_failed",
+        "_fetching",
+        "_pool",
+        "_released",
+        "_writing",
+    )
 
     def __init__(
         self,
@@ -419,6 +432,8 @@ class _HostSlots:
         allocator: PageAllocator,
         device: torch.device,
         busy: _BusyPages,
+        writing: _BusyPages,
+        fetching: _BusyPages,
         released: Callable[[], None],
         failed: Callable[[StorageTier], None],
     ) -> None:
@@ -426,6 +441,8 @@ class _HostSlots:
         self._allocator = allocator
         self._device = device
         self._busy = busy
+        self._writing = writing
+        self._fetching = fetching
         self._released = weakref.WeakMethod(released)
         self._failed = weakref.WeakMethod(failed)
 
@@ -441,16 +458,31 @@ class _HostSlots:
     def device(self) -> torch.device:
         return self._device
 
-    def hold(self, host_indices: torch.Tensor) -> None:
-        """Mark host slots in use by a storage call (they may not be freed)."""
-        self._busy.add(self._busy.pages(host_indices), +1)
+    def hold(self, host_indices: torch.Tensor, *, fill: bool = False) -> None:
+        """Mark host slots in use by a storage call (they may not be freed; with ``fill``, nor read)."""
+        pages = self._busy.pages(host_indices)
+        self._busy.add(pages, +1)
+        if fill:
+            self._fetching.add(pages, +1)
 
-    def release(self, host_indices: torch.Tensor) -> None:
+    def release(self, host_indices: torch.Tensor, *, fill: bool = False) -> None:
         """End a `hold`; runs the controller's settle callbacks (the pages may be freed now)."""
-        self._busy.add(self._busy.pages(host_indices), -1)
+        pages = self._busy.pages(host_indices)
+        self._busy.add(pages, -1)
+        if fill:
+            self._fetching.add(pages, -1)
         released = self._released()
         if released is not None:
             released()
+
+    def in_use(self, host_indices: torch.Tensor) -> bool:
+        """Whether a copy or a storage call uses any of these host slots."""
+        return self._busy.any(self._busy.pages(host_indices))
+
+    def filling(self, host_indices: torch.Tensor) -> bool:
+        """Whether a device->host copy or a prefetch still fills any of these host slots."""
+        pages = self._busy.pages(host_indices)
+        return self._writing.any(pages) or self._fetching.any(pages)
 
     def storage_failed(self, tier: StorageTier) -> None:
         """The fault policy gave up on ``tier``: the controller detaches it in the background."""
@@ -577,16 +609,20 @@ class TierController(AsyncResource):
         # Pages with a copy queued or running, per pool: they may not be freed.
         self._busy_device = _BusyPages(self.device_allocator.num_pages, ps)
         self._busy_host = _BusyPages(self.host_allocator.num_pages, ps)
+        # Host pages a write fills (queued or not settled): loads of them wait.
+        self._writing_host = _BusyPages(self.host_allocator.num_pages, ps)
+        # Host pages a storage prefetch fills: loads and backups of them are refused.
+        self._fetching_host = _BusyPages(self.host_allocator.num_pages, ps)
         self._slots = _HostSlots(
             host_pool,
             self.host_allocator,
             device_pool.device,
             self._busy_host,
+            self._writing_host,
+            self._fetching_host,
             self._notify_settled,
             self._storage_failed,
         )
-        # Host pages a write fills (queued or not settled): loads of them wait.
-        self._writing_host = _BusyPages(self.host_allocator.num_pages, ps)
         self._write_jobs: set[_WriteJob] = set()
         self._queued_write_job: _WriteJob | None = None
         # CUDA: events after the last readers of device slots freed since the
@@ -972,6 +1008,8 @@ class TierController(AsyncResource):
 
         Raises:
             InvalidInputError: bad host indices or ``ready``.
+            StateError: a storage prefetch still fills some of
+                ``host_indices`` (load them once it has ended).
             ClosedError / StateError: not open.
         """
         self._check_open()
@@ -980,6 +1018,10 @@ class TierController(AsyncResource):
         )
         if not self.host_allocator.pages_allocated(host[1]):
             raise InvalidInputError("host_indices include slots that are not allocated")
+        if self._fetching_host.any(host[1]):
+            raise StateError(
+                "a storage prefetch still fills some of host_indices: load them once it has ended"
+            )
         priority = _priority(priority)
         ready_ev = self.ready_event(ready, "submit_load")
         dev = self.device_allocator.alloc_pages(host[0].numel())
@@ -1375,7 +1417,8 @@ class TierController(AsyncResource):
         """Free host slots. Returns slots freed.
 
         Raises:
-            StateError: a copy of those slots is queued or in flight.
+            StateError: a copy of those slots is queued or in flight, or a
+                storage prefetch or backup still uses them.
             InvalidInputError / DoubleFreeError: bad or unallocated slots.
         """
         self._check_open()
@@ -1383,7 +1426,10 @@ class TierController(AsyncResource):
             host_indices, self.layout.page_size, self.host_pool.num_slots, "host_indices"
         )
         if self._busy_host.any(pages):
-            raise StateError("host slots with a copy in flight cannot be freed; await its ack")
+            raise StateError(
+                "host slots that a copy or a storage call still uses cannot be freed; "
+                "await its ack or its end"
+            )
         self.host_allocator.free_pages(pages)
         self._notify_settled()
         return int(host.numel())
@@ -1547,12 +1593,8 @@ class TierController(AsyncResource):
         """
         self._check_open()
         host, tokens = check_storage_args(
-            self._slots, self.namespace, host_indices, token_ids, last_hash
+            self._slots, self.namespace, host_indices, token_ids, last_hash, fill=True
         )
-        if self._busy_host.any(self._busy_host.pages(host)):
-            raise StateError(
-                "host_indices are in use by a copy or a storage call; prefetch into free slots"
-            )
         if self.storage is None:
             return None
         return self.storage.prefetch(request_id, host, tokens, last_hash, checked=True)
@@ -1612,17 +1654,22 @@ class TierController(AsyncResource):
             InvalidInputError: bad slots, tokens, ``hash_value``,
                 ``hash_values`` or ``track`` (see `check_storage_args`).
             StateError: a device->host copy into some of ``host_indices`` has
-                not settled (its bytes are not there yet: await its ack first).
+                not settled (its bytes are not there yet: await its ack
+                first), or a storage prefetch still fills some of them (they
+                hold its tokens' KV only once it has ended, and only up to its
+                ``completed_tokens``).
         """
         self._check_open()
-        host, tokens = check_storage_args(
-            self._slots, self.namespace, host_indices, token_ids, hash_value, hash_values
-        )
         check_bool(track, "track")
-        if self._writing_host.any(self._writing_host.pages(host)):
-            raise StateError(
-                "a device->host copy into these host slots has not settled; await its ack first"
-            )
+        host, tokens = check_storage_args(
+            self._slots,
+            self.namespace,
+            host_indices,
+            token_ids,
+            hash_value,
+            hash_values,
+            fill=False,
+        )
         if self.storage is None:
             return None
         return self.storage.write_storage(

@@ -224,7 +224,9 @@ class HostSlots(Protocol):
     The owner (a `TierController`) keeps the books of which host slots are in
     use by copies; the tier marks the slots its backend calls read or write
     with `hold` while they run and `release` after, so the owner never frees
-    or reuses them meanwhile. Every member is used on the loop thread.
+    or reuses them meanwhile. A prefetch holds its slots with ``fill=True``:
+    until it ends they do not hold the tokens' KV, so nothing may read them
+    (`filling`). Every member is used on the loop thread.
     """
 
     @property
@@ -242,12 +244,28 @@ class HostSlots(Protocol):
         """The device pool's device (an NCCL TP group reduces on it)."""
         ...
 
-    def hold(self, host_indices: torch.Tensor) -> None:
-        """Mark ``host_indices`` in use by a storage call: the owner may not free them."""
+    def hold(self, host_indices: torch.Tensor, *, fill: bool = False) -> None:
+        """Mark ``host_indices`` in use by a storage call: the owner may not free them.
+
+        ``fill``: the call writes them (a prefetch): nothing may read them
+        until the matching `release`.
+        """
         ...
 
-    def release(self, host_indices: torch.Tensor) -> None:
-        """Undo one `hold` of ``host_indices``."""
+    def release(self, host_indices: torch.Tensor, *, fill: bool = False) -> None:
+        """Undo one `hold` of ``host_indices`` (with the same ``fill``)."""
+        ...
+
+    def in_use(self, host_indices: torch.Tensor) -> bool:
+        """Whether a copy or a storage call uses any of ``host_indices`` (CPU, page-aligned)."""
+        ...
+
+    def filling(self, host_indices: torch.Tensor) -> bool:
+        """Whether a device->host copy or a prefetch still fills any of ``host_indices``.
+
+        Such slots do not hold their tokens' KV yet (a prefetch that ends
+        short never fills some of them): reading them reads other bytes.
+        """
         ...
 
     def storage_failed(self, tier: StorageTier) -> None:
@@ -504,8 +522,13 @@ def check_storage_args(
     token_ids: Sequence[int],
     prior_hash: str | None = None,
     hash_values: list[str] | None = None,
+    *,
+    fill: bool,
 ) -> tuple[torch.Tensor, Sequence[int]]:
     """The arguments of a prefetch or a backup, checked before anything starts.
+
+    ``fill``: the call writes the host slots (a prefetch), else it reads them
+    (a backup). The slots' state is checked last, once the arguments are good.
 
     Returns:
         The CPU int64 host slots and the token ids (a list when given a tensor).
@@ -515,6 +538,10 @@ def check_storage_args(
             slots, tokens that are not ids or not one per slot, a
             ``prior_hash`` that is not hex, or ``hash_values`` that are not
             one page hash per page.
+        StateError: a prefetch into slots that a copy or a storage call
+            still uses (it would overwrite the bytes they move), or a backup
+            of slots that a device->host copy or a prefetch still fills (it
+            would store bytes that are not the tokens' KV under their keys).
     """
     page_size = slots.pool.layout.page_size
     host = check_slot_indices(host_indices, page_size, slots.pool.num_slots, "host_indices")
@@ -539,6 +566,15 @@ def check_storage_args(
         namespace.keys(hash_values)  # each a page hash
     if not slots.allocator.is_allocated(host):
         raise InvalidInputError("host_indices include slots that are not allocated")
+    if fill and slots.in_use(host):
+        raise StateError(
+            "host_indices are in use by a copy or a storage call; prefetch into free slots"
+        )
+    if not fill and slots.filling(host):
+        raise StateError(
+            "a device->host copy or a storage prefetch still fills some of host_indices: "
+            "back them up once it has ended (await its ack or the prefetch)"
+        )
     return host, token_ids
 
 
@@ -768,11 +804,15 @@ class StorageTier:
 
         Raises:
             InvalidInputError: slots and tokens that do not match, bad tokens.
+            StateError: a copy or a storage call still uses some of
+                ``host_indices`` (see `check_storage_args`).
         """
         host, tokens = (
             (host_indices, token_ids)
             if checked
-            else check_storage_args(self.slots, self.namespace, host_indices, token_ids, prior_hash)
+            else check_storage_args(
+                self.slots, self.namespace, host_indices, token_ids, prior_hash, fill=True
+            )
         )
         if self.down:
             self.stats.skipped_while_down += 1
@@ -793,7 +833,7 @@ class StorageTier:
             on_handover=self._handed_over,
         )
         self._held_tokens += op.num_tokens
-        self.slots.hold(host)
+        self.slots.hold(host, fill=True)
         self._add_op(op)
         self.stats.prefetch_started += 1
         self._query_queue.put_nowait(op)
@@ -954,7 +994,7 @@ class StorageTier:
             self.stats.prefetch_completed += 1
         elif state is PrefetchState.FAILED:
             self.stats.prefetch_failed += 1
-        self.slots.release(op.host_indices)
+        self.slots.release(op.host_indices, fill=True)
         rest = op.host_indices[op.completed_tokens :]
         if rest.numel():
             self.slots.allocator.free(rest)
@@ -1021,12 +1061,20 @@ class StorageTier:
 
         Raises:
             InvalidInputError: bad arguments (see `check_storage_args`).
+            StateError: a device->host copy or a prefetch still fills some
+                of ``host_indices`` (see `check_storage_args`).
         """
         if checked:
             host, tokens = host_indices, token_ids
         else:
             host, tokens = check_storage_args(
-                self.slots, self.namespace, host_indices, token_ids, prior_hash, hash_values
+                self.slots,
+                self.namespace,
+                host_indices,
+                token_ids,
+                prior_hash,
+                hash_values,
+                fill=False,
             )
             check_bool(track, "track")
         op = BackupOperation(

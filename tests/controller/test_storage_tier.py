@@ -49,6 +49,13 @@ async def ctl() -> AsyncIterator[TierController]:
         yield c
 
 
+def slow_backend(op: str, delay: float) -> FaultyBackend:
+    """A memory backend whose ``op`` calls ("get", "set", ...) each take ``delay`` seconds."""
+    return FaultyBackend(
+        MemoryBackend(), FaultPlan((FaultSpec(FaultKind.LATENCY, delay=delay, ops=(op,)),))
+    )
+
+
 def host_bytes(c: TierController, host: torch.Tensor) -> list[bytes]:
     return [p.tobytes() for p in c.host_pool.page_buffers(host)]
 
@@ -560,9 +567,7 @@ async def test_reset_waits_for_storage_work_before_it_frees_the_host() -> None:
     reset ends them before it frees every slot, so no slot is freed under them."""
     c = make(io_batch_pages=1)
     async with c:
-        slow = FaultyBackend(
-            MemoryBackend(), FaultPlan((FaultSpec(FaultKind.LATENCY, delay=0.2, ops=("get",)),))
-        )
+        slow = slow_backend("get", 0.2)
         await c.attach_storage_backend(slow)
         tokens = list(range(4 * PS))
         stored, _ = await store(c, tokens)
@@ -588,9 +593,7 @@ async def test_backups_a_detach_ends_are_still_drained() -> None:
     """An engine that learns of ended backups from `drain_backup_acks` hears of
     those the detach ended, and of those that ended unread before it."""
     async with make() as c:
-        slow = FaultyBackend(
-            MemoryBackend(), FaultPlan((FaultSpec(FaultKind.LATENCY, delay=0.5, ops=("set",)),))
-        )
+        slow = slow_backend("set", 0.5)
         await c.attach_storage_backend(MemoryBackend())
         tokens = list(range(2 * PS))
         host, _ = await store(c, tokens)  # tracked, ended, not drained
@@ -603,3 +606,77 @@ async def test_backups_a_detach_ends_are_still_drained() -> None:
         assert op.done() and not op.succeeded
         assert [a.node_id for a in c.drain_backup_acks()] == [None, "in flight"]
         assert c.drain_backup_acks() == []
+
+
+async def test_storage_verbs_refuse_host_slots_a_prefetch_still_fills() -> None:
+    """A backup of host slots a running prefetch fills would store what they
+    hold now (not yet, or never, those tokens' KV) under the tokens' keys, and
+    a load would put it on the device: both are refused while the prefetch
+    runs, from its first step, as is freeing the slots. Once it has ended, its
+    completed prefix is backed up and loaded like any host page."""
+    c = make(io_batch_pages=1)
+    async with c:
+        slow = slow_backend("get", 0.2)
+        await c.attach_storage_backend(slow)
+        tokens = list(range(4 * PS))
+        _, want = await store(c, tokens)
+        host = c.host_allocator.alloc(4 * PS)
+        assert host is not None
+        other = list(range(5000, 5000 + 4 * PS))
+        op = c.prefetch("r", host, tokens)
+        assert op is not None
+        for when in ("queued", "reading"):
+            with pytest.raises(StateError, match="prefetch"):
+                c.write_storage(host, other)
+            with pytest.raises(StateError, match="prefetch"):
+                c.write_storage(host[PS : 2 * PS], other[:PS])  # one page of it is enough
+            with pytest.raises(StateError, match="prefetch"):
+                c.submit_load(host)
+            with pytest.raises(StateError):
+                c.free_host(host)
+            if when == "queued":
+                await asyncio.sleep(0.05)  # the reads are in flight
+        assert not op.done()
+        # Nothing was started or allocated by the refused calls.
+        assert c.storage_stats().backup_ops == 1 and c.stats.loads == 0
+        assert c.device_allocator.available == c.device_allocator.num_slots
+        await op
+        assert op.take_completed()[0] == len(tokens)
+        assert host_bytes(c, host) == want
+        backup = c.write_storage(host, tokens, track=False)
+        assert backup is not None
+        await backup
+        assert backup.succeeded
+        loaded = await c.load_back(host)
+        assert loaded is not None
+        c.free_device(loaded)
+        c.free_host(host)
+
+
+async def test_storage_verbs_refuse_host_slots_a_backup_still_reads() -> None:
+    """A prefetch into host slots a backup still reads would change the bytes
+    being stored under the backup's keys; freeing them would hand them to
+    whoever allocates next. Both are refused until the backup has ended; a
+    second backup of the same slots (another reader) is not."""
+    c = make()
+    async with c:
+        slow = slow_backend("set", 0.2)
+        await c.attach_storage_backend(slow)
+        dev = c.device_allocator.alloc(2 * PS)
+        assert dev is not None
+        host = await c.backup(dev)
+        assert host is not None
+        tokens = list(range(2 * PS))
+        backup = c.write_storage(host, tokens, track=False)
+        assert backup is not None
+        with pytest.raises(StateError):
+            c.prefetch("r", host, list(range(100, 100 + 2 * PS)))
+        with pytest.raises(StateError):
+            c.free_host(host)
+        again = c.write_storage(host, tokens, track=False)
+        assert again is not None
+        await backup
+        await again
+        assert backup.succeeded and again.succeeded
+        c.free_host(host)
+        c.free_device(dev)

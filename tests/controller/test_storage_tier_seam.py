@@ -33,7 +33,7 @@ PS = 16
 
 
 class FakeSlots:
-    """A `HostSlots` over a bare pool: counts holds per slot and every fault call."""
+    """A `HostSlots` over a bare pool: counts holds (and fills) per slot and every fault call."""
 
     def __init__(self) -> None:
         layout = KVLayout(2, 2, 8, torch.float16, PS)
@@ -41,14 +41,26 @@ class FakeSlots:
         self.allocator = PageAllocator(1024, PS)
         self.device = torch.device("cpu")
         self.held = torch.zeros(1024, dtype=torch.int64)
+        self.filled = torch.zeros(1024, dtype=torch.int64)
         self.failed: list[StorageTier] = []
 
-    def hold(self, host_indices: torch.Tensor) -> None:
+    def hold(self, host_indices: torch.Tensor, *, fill: bool = False) -> None:
         self.held[host_indices] += 1
+        if fill:
+            self.filled[host_indices] += 1
 
-    def release(self, host_indices: torch.Tensor) -> None:
+    def release(self, host_indices: torch.Tensor, *, fill: bool = False) -> None:
         self.held[host_indices] -= 1
+        if fill:
+            self.filled[host_indices] -= 1
         assert int(self.held.min()) >= 0, "released more than held"
+        assert int(self.filled.min()) >= 0, "released more fills than held"
+
+    def in_use(self, host_indices: torch.Tensor) -> bool:
+        return bool(self.held[host_indices].any())
+
+    def filling(self, host_indices: torch.Tensor) -> bool:
+        return bool(self.filled[host_indices].any())
 
     def storage_failed(self, tier: StorageTier) -> None:
         self.failed.append(tier)
@@ -272,3 +284,30 @@ async def test_a_closed_group_refuses_a_backup_and_nothing_stays_held() -> None:
     with pytest.raises(StateError, match="closed"):
         tier.write_storage(src, list(range(2 * PS)))
     assert int(slots.held.sum()) == 0 and not tier.busy
+
+
+async def test_the_tier_refuses_slots_another_of_its_operations_fills_or_reads(
+    seam: tuple[FakeSlots, TaskGroup, StorageTier],
+) -> None:
+    """The tier's own verbs keep the rule its owner's verbs keep: no backup of
+    slots a prefetch fills, no prefetch into slots a backup reads."""
+    slots, _, tier = seam
+    tokens = list(range(4 * PS))
+    src = slots.allocator.alloc(len(tokens))
+    dst = slots.allocator.alloc(len(tokens))
+    assert src is not None and dst is not None
+    _fill(slots, src, 2)
+    backup = tier.write_storage(src, tokens)
+    op = tier.prefetch("r", dst, list(range(100, 100 + len(tokens))))
+    assert op is not None
+    with pytest.raises(StateError, match="prefetch"):
+        tier.write_storage(dst, tokens)
+    with pytest.raises(StateError):
+        tier.prefetch("again", src, tokens)
+    with pytest.raises(StateError):
+        tier.prefetch("twice", dst, tokens)
+    assert slots.filling(dst) and not slots.filling(src)
+    await backup.wait()
+    await op.wait()
+    op.take_completed()
+    assert int(slots.held.sum()) == 0 and int(slots.filled.sum()) == 0
