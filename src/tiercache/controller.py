@@ -1439,6 +1439,8 @@ class TierController(AsyncResource):
 
         Every device and host slot is freed, those of prefetches that ended
         before included: nothing still writes or reads a slot once it is free.
+        The completed prefixes of those prefetches no longer count against
+        ``prefetch_capacity_tokens`` (collecting them later hands nothing over).
         """
         self._check_open()
         while True:
@@ -1447,6 +1449,8 @@ class TierController(AsyncResource):
             if tier is None or not tier.busy:
                 break
             await tier.terminate_all()
+        if tier is not None:
+            tier.forget_uncollected()
         for op in self._load_queue:
             self._mark_busy(op, -1)
             op.ack._settle(asyncio.CancelledError())

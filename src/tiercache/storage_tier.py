@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import operator
 import time
@@ -632,6 +633,9 @@ class StorageTier:
         self._idle.set()
         self._io_slots = asyncio.Semaphore(config.io_concurrency)
         self._held_tokens = 0  # host tokens held by prefetches not yet handed over
+        # Bumped by `forget_uncollected`: the prefixes of prefetches that ended
+        # before it are no longer counted in _held_tokens.
+        self._held_generation = 0
         self._finished_backups: deque[BackupOperation] = deque()
         self._collective = None
         self._collective_device = torch.device("cpu")
@@ -830,7 +834,6 @@ class StorageTier:
             prior_hash,
             self._loop.create_future(),
             page_size=self.page_size,
-            on_handover=self._handed_over,
         )
         self._held_tokens += op.num_tokens
         self.slots.hold(host, fill=True)
@@ -839,9 +842,26 @@ class StorageTier:
         self._query_queue.put_nowait(op)
         return op
 
-    def _handed_over(self, tokens: int) -> None:
-        """A prefetch's completed prefix became its caller's: the tier no longer holds it."""
-        self._held_tokens -= tokens
+    def _handed_over(self, generation: int, tokens: int) -> None:
+        """A prefetch's completed prefix became its caller's: the tier no longer holds it.
+
+        ``generation``: `_held_generation` when the prefetch ended. A prefix that
+        `forget_uncollected` already stopped counting is not subtracted again.
+        """
+        if generation == self._held_generation:
+            self._held_tokens -= tokens
+
+    def forget_uncollected(self) -> None:
+        """Stop counting the prefixes of ended prefetches that nobody collected.
+
+        For an owner that freed every host slot (`TierController.reset`):
+        those prefixes are gone, so they no longer count against
+        ``prefetch_capacity_tokens``. Collecting such an operation later
+        (`PrefetchOperation.take_completed`, `terminate_prefetch`) returns its
+        answer and hands nothing over. Prefetches still running keep counting.
+        """
+        self._held_tokens = sum(op.num_tokens for op in self._ops)
+        self._held_generation += 1
 
     def abstain(self) -> None:
         """With a TP group: this rank skips a prefetch, yet joins its agreement (with 0 hits).
@@ -999,6 +1019,8 @@ class StorageTier:
         if rest.numel():
             self.slots.allocator.free(rest)
         self._held_tokens -= int(rest.numel())
+        # The completed prefix counts until the caller takes it (or a reset frees it).
+        op._on_handover = functools.partial(self._handed_over, self._held_generation)
         self._ops.discard(op)
         self._loads.pop(op, None)
         self._work_changed()

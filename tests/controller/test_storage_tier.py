@@ -680,3 +680,31 @@ async def test_storage_verbs_refuse_host_slots_a_backup_still_reads() -> None:
         assert backup.succeeded and again.succeeded
         c.free_host(host)
         c.free_device(dev)
+
+
+async def test_reset_returns_the_prefetch_capacity_of_prefetches_never_collected() -> None:
+    """A prefetch that ended before a reset and was never collected counted
+    against ``prefetch_capacity_tokens`` for ever: the reset freed its slots
+    but not its share of the cap. The reset returns it, and collecting the
+    old operation afterwards hands nothing over a second time."""
+    async with make(prefetch_capacity_tokens=4 * PS) as c:
+        await c.attach_storage_backend(MemoryBackend())
+        tokens = list(range(4 * PS))
+        await store(c, tokens)
+        host = c.host_allocator.alloc(4 * PS)
+        assert host is not None
+        op = c.prefetch("ended", host, tokens)
+        assert op is not None
+        await op  # ended, its completed prefix never taken
+        assert op.completed_tokens == 4 * PS and c.prefetch_rate_limited()
+        await c.reset()
+        assert not c.prefetch_rate_limited()
+        assert op.take_completed()[0] == 4 * PS  # the same answer, nothing handed over
+        assert not c.prefetch_rate_limited()
+        first = c.host_allocator.alloc(4 * PS)
+        second = c.host_allocator.alloc(4 * PS)
+        assert first is not None and second is not None
+        again = c.prefetch("again", first, tokens)
+        assert again is not None  # the whole cap is free again
+        assert c.prefetch("over", second, tokens) is None  # and no more than the cap
+        await c.terminate_prefetch(again)

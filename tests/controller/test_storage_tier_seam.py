@@ -311,3 +311,30 @@ async def test_the_tier_refuses_slots_another_of_its_operations_fills_or_reads(
     await op.wait()
     op.take_completed()
     assert int(slots.held.sum()) == 0 and int(slots.filled.sum()) == 0
+
+
+async def test_forgetting_uncollected_prefixes_keeps_counting_running_prefetches() -> None:
+    slots, tasks = FakeSlots(), TaskGroup("seam test")
+    tier = _tier(slots, tasks, MemoryBackend(), prefetch_capacity_tokens=8 * PS)
+    tokens = list(range(4 * PS))
+
+    def alloc(n: int) -> torch.Tensor:
+        host = slots.allocator.alloc(n)
+        assert host is not None
+        return host
+
+    await tier.write_storage(alloc(len(tokens)), tokens)
+    ended = tier.prefetch("ended", alloc(len(tokens)), tokens)
+    assert ended is not None
+    await ended
+    running = tier.prefetch("running", alloc(len(tokens)), tokens)
+    assert running is not None and tier.rate_limited()
+    tier.forget_uncollected()  # the ended one stops counting; the running one does not
+    assert not tier.rate_limited()
+    await running
+    assert running.take_completed()[0] == len(tokens)
+    assert ended.take_completed()[0] == len(tokens)  # nothing handed over twice
+    full = tier.prefetch("full", alloc(8 * PS), list(range(8 * PS)))
+    assert full is not None and tier.rate_limited()  # exactly the cap is free
+    await tier.stop()
+    await tasks.aclose()
