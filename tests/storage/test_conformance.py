@@ -113,14 +113,54 @@ async def test_delete_and_clear(backend: StorageBackend) -> None:
     assert dst.tobytes() == before
 
 
-async def test_other_format_or_length_is_a_miss(backend: StorageBackend) -> None:
+@pytest.mark.parametrize(
+    ("nbytes", "fmt"), [(512, "fmt:b"), (256, "fmt:a"), (1024, "fmt:a")], ids=str
+)
+async def test_a_target_of_another_format_or_size_is_refused_and_the_page_kept(
+    backend: StorageBackend, nbytes: int, fmt: str
+) -> None:
+    """A target that does not fit the stored page (another dtype, layout or
+    size) is the caller's mistake, not damage to the store: the read is an
+    `InvalidInputError`, the page is not copied into it, and the page stays
+    stored, whole, for a reader with the right buffer."""
     ks = keys(2)
-    await backend.batch_set(ks, [random_page(512, "fmt:a"), random_page(512, "fmt:a")])
-    other_fmt = random_page(512, "fmt:b")
-    other_len = random_page(256, "fmt:a")
-    before = (other_fmt.tobytes(), other_len.tobytes())
-    assert await backend.batch_get(ks, [other_fmt, other_len]) == [False, False]
-    assert (other_fmt.tobytes(), other_len.tobytes()) == before
+    src = [random_page(512, "fmt:a"), random_page(512, "fmt:a")]
+    assert await backend.batch_set(ks, src) == [True, True]
+    wrong = random_page(nbytes, fmt)
+    before = wrong.tobytes()
+    for batch, targets in (
+        ([ks[0]], [wrong]),
+        (ks, [PageBuffer.allocate(512, "fmt:a"), wrong]),  # one wrong target refuses the batch
+    ):
+        with pytest.raises(InvalidInputError, match="fmt:a"):
+            await backend.batch_get(batch, targets)
+        assert wrong.tobytes() == before
+    assert await backend.batch_exists(ks) == 2
+    right = [PageBuffer.allocate(512, "fmt:a") for _ in ks]
+    assert await backend.batch_get(ks, right) == [True, True]
+    assert [r.tobytes() for r in right] == [s.tobytes() for s in src]
+    assert (await backend.stats()).corrupt_pages == 0
+
+
+@pytest.mark.parametrize("flaw", ["read-only", "size-not-its-segments"])
+async def test_a_target_that_cannot_take_a_page_is_refused_before_any_io(
+    backend: StorageBackend, flaw: str
+) -> None:
+    """A target that no page could be read into is refused whether or not
+    its key is stored, and nothing stored is touched."""
+    ks = keys(2)
+    src = random_page()
+    assert await backend.batch_set(ks[:1], [src]) == [True]
+    if flaw == "read-only":
+        bad = PageBuffer.from_segments([memoryview(bytes(512))], FORMAT)
+    else:
+        bad = PageBuffer((memoryview(bytearray(512)),), 256, FORMAT)
+    for k in ks:
+        with pytest.raises(InvalidInputError, match="target"):
+            await backend.batch_get([k], [bad])
+    dst = PageBuffer.allocate(512, FORMAT)
+    assert await backend.batch_get(ks[:1], [dst]) == [True]
+    assert dst.tobytes() == src.tobytes()
 
 
 async def test_mismatched_batch_is_rejected(backend: StorageBackend) -> None:

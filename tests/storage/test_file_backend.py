@@ -190,20 +190,29 @@ async def test_swapped_files_are_misses(tmp_path: Path, caplog: pytest.LogCaptur
         assert await asyncio.to_thread(all_files, root) == []
 
 
-async def test_page_of_another_format_is_a_miss_and_removed(
+async def test_page_read_into_another_format_is_refused_and_kept(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A bfloat16 target for a float16 page is the caller's mistake: refused,
+    the target untouched, the file kept for readers of its format."""
     root = tmp_path / "store"
+    fp16 = "mha:L2:H2:D8:float16:P4:page_first"
     async with await FileBackend.open(root) as b:
         (k,) = keys(1)
-        await b.batch_set([k], [random_page(512, "mha:L2:H2:D8:float16:P4:page_first")])
+        src = random_page(512, fp16)
+        await b.batch_set([k], [src])
         dst = random_page(512, "mha:L2:H2:D8:bfloat16:P4:page_first")
         before = dst.tobytes()
         with caplog.at_level(logging.WARNING, logger=LOGGER):
-            assert await b.batch_get([k], [dst]) == [False]
+            with pytest.raises(InvalidInputError, match="bfloat16"):
+                await b.batch_get([k], [dst])
         assert dst.tobytes() == before
-        assert "stored format" in caplog.text
-        assert not await asyncio.to_thread(page_path(root, k).exists)
+        assert "failed its checks" not in caplog.text
+        assert await asyncio.to_thread(page_path(root, k).exists)
+        assert await b.batch_exists([k]) == 1 and (await b.stats()).corrupt_pages == 0
+        right = PageBuffer.allocate(512, fp16)
+        assert await b.batch_get([k], [right]) == [True]
+        assert right.tobytes() == src.tobytes()
 
 
 async def test_leftover_temporary_files_are_ignored_and_cleaned(tmp_path: Path) -> None:

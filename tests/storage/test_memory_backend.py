@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 from tests.storage.storage_helpers import FORMAT, keys, random_page
 
@@ -58,15 +56,17 @@ async def test_stored_copy_is_independent_of_the_source() -> None:
         assert dst.tobytes() == want
 
 
-async def test_mismatched_page_is_dropped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_page_read_into_another_format_is_refused_and_kept() -> None:
     async with MemoryBackend() as b:
-        (k,) = keys(1)
-        await b.batch_set([k], [random_page(512, "fmt:a")])
-        with caplog.at_level(logging.WARNING, logger="tiercache.storage.memory"):
-            assert await b.batch_get([k], [random_page(512, "fmt:b")]) == [False]
-        assert "dropped" in caplog.text
-        assert await b.batch_exists([k]) == 0
-        assert (await b.stats()).corrupt_pages == 1
+        ks = keys(2)
+        await b.batch_set(ks, [random_page(512, "fmt:a"), random_page(512, "fmt:a")])
+        targets = [PageBuffer.allocate(512, "fmt:a"), random_page(512, "fmt:b")]
+        before = [t.tobytes() for t in targets]
+        with pytest.raises(InvalidInputError, match="fmt:b"):
+            await b.batch_get(ks, targets)
+        assert [t.tobytes() for t in targets] == before  # no target of the batch written
+        assert await b.batch_exists(ks) == 2
+        assert (await b.stats()).corrupt_pages == 0
 
 
 @pytest.mark.parametrize("bad", ["../x", "a/b", "", ".x"])

@@ -24,8 +24,9 @@ class PageBuffer:
         segments: the page's bytes, in order.
         nbytes: total length of the segments.
         format: identity of the byte layout (model shape, dtype, host layout,
-            page size). A backend stores it and refuses, as a miss, a stored
-            page whose format differs from the buffer it is read into.
+            page size). A backend stores it, and reading a stored page into a
+            buffer of another format (or length) is an `InvalidInputError`
+            that leaves the stored page in place.
     """
 
     segments: tuple[memoryview, ...]

@@ -56,12 +56,20 @@ class StorageBackend(AsyncResource):
     backend refuses.
 
     Failures raise `StorageError` subclasses, which callers treat as a miss.
-    A page that fails its checks when read (corrupt, truncated, other format,
-    other key) is a miss: ``batch_get`` reports it as not arrived and the
-    backend removes it. A missing page, or one whose header fails, leaves the
-    target untouched; a backend that reads straight into the target (the file
+    A page that fails its own checks when read (corrupt, truncated, another
+    key's) is a miss: ``batch_get`` reports it as not arrived and the backend
+    removes it. A missing page, or one whose header fails, leaves the target
+    untouched; a backend that reads straight into the target (the file
     backend) may have written a page whose payload checksum then failed, so a
     caller never uses a target reported as not arrived.
+
+    A target that cannot take the stored page is the caller's mistake, not
+    damage: a read-only target, one whose segments do not add up to its
+    ``nbytes`` (refused before any I/O), or one of another format or length
+    than the intact page stored under its key (another dtype, layout or page
+    size). ``batch_get`` raises `InvalidInputError`, that target is not
+    written and every stored page stays; a call that raises reports no page
+    of its batch as arrived.
 
     The cache checks the shape of every answer: ``batch_exists`` must return
     an int, ``batch_get`` and ``batch_set`` a list of one flag per page; any
@@ -93,6 +101,10 @@ class StorageBackend(AsyncResource):
             Per page, whether it arrived. The buffer of a page that did not
             arrive must not be used: a missing page or a failed header leaves
             it untouched, a failed payload checksum may have overwritten it.
+
+        Raises:
+            InvalidInputError: a bad key, or a target that cannot take its
+                page (see the class docstring): nothing stored is removed.
         """
 
     @abstractmethod

@@ -622,7 +622,7 @@ class FaultyBackend(StorageBackend):
         return n
 
     async def batch_get(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
-        keys = check_batch(keys, pages)
+        keys = check_batch(keys, pages, targets=True)
         d = await self._before("get")
         partial = [st for st in d.shaping if st.spec.kind is FaultKind.PARTIAL]
         damage = [st for st in d.shaping if st.spec.kind is not FaultKind.PARTIAL]

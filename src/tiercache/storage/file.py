@@ -51,11 +51,14 @@ header is padded to 4 KiB so that the payload starts on a page-cache page: the
 kernel then copies it into the page-aligned host page with source and
 destination equally aligned, which makes the same ``preadv`` about a third
 cheaper than from an odd offset. A file
-whose header is wrong (truncated, another format or key, a swapped file)
-never touches the page. A payload whose checksum fails was already read into
-the page: the page is reported as not arrived, so its slot is never
+whose header is damaged (truncated, bad checksum, another key: a swapped
+file) never touches the page. A payload whose checksum fails was already read
+into the page: the page is reported as not arrived, so its slot is never
 published (the storage tier frees it). Either way the file is a miss, logged
-as a warning, counted in ``stats.corrupt_pages`` and removed. A page of an
+as a warning, counted in ``stats.corrupt_pages`` and removed. A file whose
+intact header is of another format or length than the target is a good page
+read into the wrong buffer: ``batch_get`` raises `InvalidInputError`, the
+target is not touched and the file stays. A page of an
 older format version is a plain miss (removed, logged at debug level): the
 next write stores it anew. Writes are zero-copy: the header and the page's
 segments go to one ``writev`` with no join.
@@ -116,7 +119,7 @@ import aiofiles
 import aiofiles.os
 
 from tiercache._aio import finish
-from tiercache.errors import ConfigError, StorageCorruptionError, StorageError
+from tiercache.errors import ConfigError, InvalidInputError, StorageCorruptionError, StorageError
 from tiercache.storage.base import BackendState, BackendStats, PageBuffer, PageKey, StorageBackend
 from tiercache.storage.format import (
     check_header,
@@ -218,7 +221,7 @@ def _octal(name: str, value: Any) -> int:
 class _Result:
     """What one page job reports back to the loop."""
 
-    status: str  # "hit", "miss", "stale", "corrupt", "error", "written", "exists"
+    status: str  # "hit", "miss", "stale", "corrupt", "refused", "error", "written", "exists"
     size: int = 0
     detail: str = ""
 
@@ -409,12 +412,25 @@ class FileBackend(StorageBackend):
         return n + len(found)
 
     async def batch_get(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
-        ks = check_batch(keys, pages)
+        """Read each page file into its target, checked in place (see the module docstring).
+
+        Raises:
+            InvalidInputError: a bad key or target (`check_batch`), or a page
+                file whose intact header is of another format or length than
+                its target (`check_header`): that file stays, its target is
+                untouched. The other pages of the batch are read as usual,
+                but the call reports none of them.
+            StorageError: the backend is closed or cannot start.
+        """
+        ks = check_batch(keys, pages, targets=True)
         await self._ready()
         results = await self._run_each(lambda i: self._read_job(ks[i], pages[i]), len(ks))
         self._check_open()
         out = [self._account_read(k, r) for k, r in zip(ks, results, strict=True)]
         self._stats.get_pages += len(ks)
+        refused = next((r for r in results if r.status == "refused"), None)
+        if refused is not None:
+            raise InvalidInputError(refused.detail)
         return out
 
     async def batch_set(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
@@ -544,6 +560,8 @@ class FileBackend(StorageBackend):
             self._stats.get_hits += 1
             self._stats.bytes_read += r.size
             return True
+        if r.status == "refused":  # the target was wrong; the file is still there
+            return False
         self._forget(key)
         if r.status == "stale":
             logger.debug("file backend %s: page %s: %s", self.root, key, r.detail)
@@ -704,9 +722,11 @@ class FileBackend(StorageBackend):
                     _touch(fd)
             except StorageCorruptionError as e:
                 result = _Result("corrupt", detail=str(e))
+            except InvalidInputError as e:  # a good file, the wrong target: keep the file
+                result = _Result("refused", detail=str(e))
             finally:
                 os.close(fd)
-            if result.status != "hit":
+            if result.status not in ("hit", "refused"):
                 _remove_entry(path)
             return result
         except OSError as e:
@@ -724,6 +744,8 @@ class FileBackend(StorageBackend):
 
         Raises:
             StorageCorruptionError: the header or the payload checksum is wrong.
+            InvalidInputError: the header is intact but ``page`` has another
+                format or length (nothing was read into it).
             OSError: the read failed.
         """
         st = os.fstat(fd)

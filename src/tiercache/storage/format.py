@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tiercache.errors import StorageCorruptionError
+from tiercache.errors import InvalidInputError, StorageCorruptionError
 from tiercache.memory.pages import PageBuffer
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "is_older_version",
     "page_checksum",
     "check_header",
+    "check_target",
     "pack_page",
     "unpack_page",
     "verify_in_place",
@@ -198,7 +199,11 @@ def unpack_page(key: str, data: bytes | bytearray | memoryview, page: PageBuffer
     ``page`` is written only after every check has passed.
 
     Raises:
-        StorageCorruptionError: wrong key, format or length, or bad checksum.
+        StorageCorruptionError: the blob is damaged: bad header, another
+            key, a payload of another length than its header says, or a bad
+            checksum.
+        InvalidInputError: the blob is ``key``'s intact page, but of another
+            format or length than ``page`` (see `check_header`).
     """
     mv = memoryview(data).cast("B")
     h = decode_header(mv)
@@ -227,14 +232,34 @@ def verify_in_place(key: str, h: PageHeader, page: PageBuffer) -> None:
 
 
 def check_header(h: PageHeader, key: str, page: PageBuffer) -> None:
-    """Raise `StorageCorruptionError` unless ``h`` describes ``key`` in ``page``'s format."""
+    """Check that ``h``, a header that passed `decode_header`, is ``key``'s page in ``page``'s format.
+
+    The two failures differ in whose they are. A header of another key is
+    damage in the store (a file swapped, a value copied). An intact header
+    of ``key`` whose format or length differ from ``page``'s is a good page
+    read into the wrong buffer (another model shape, dtype, host layout or
+    page size; keys carry all of them, so the store holds the right page):
+    the caller's mistake, and the page must stay stored.
+
+    Raises:
+        StorageCorruptionError: ``h`` is the header of another key.
+        InvalidInputError: ``h`` is ``key``'s, but ``page`` has another
+            format or length.
+    """
     if h.key != key:
         raise StorageCorruptionError(f"stored page is {h.key!r}, expected {key!r} (file swapped?)")
-    if h.format != page.format:
-        raise StorageCorruptionError(
-            f"page {key}: stored format {h.format!r} differs from {page.format!r}"
-        )
-    if h.payload_len != page.nbytes:
-        raise StorageCorruptionError(
-            f"page {key}: stored {h.payload_len} bytes, page holds {page.nbytes}"
+    check_target(key, h.format, h.payload_len, page)
+
+
+def check_target(key: str, stored_format: str, stored_nbytes: int, page: PageBuffer) -> None:
+    """Check that ``page`` can take ``key``'s stored page of that format and length.
+
+    Raises:
+        InvalidInputError: ``page`` has another format or length (the
+            caller's mistake: nothing is wrong with the stored page).
+    """
+    if stored_format != page.format or stored_nbytes != page.nbytes:
+        raise InvalidInputError(
+            f"page {key} is stored as {stored_format!r} ({stored_nbytes} bytes) but the target "
+            f"is {page.format!r} ({page.nbytes} bytes): read it into a buffer of its format"
         )

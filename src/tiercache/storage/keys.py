@@ -56,7 +56,10 @@ def validate_key(key: object) -> PageKey:
 
 
 def check_batch(
-    keys: Sequence[PageKey], pages: Sequence[PageBuffer] | None = None
+    keys: Sequence[PageKey],
+    pages: Sequence[PageBuffer] | None = None,
+    *,
+    targets: bool = False,
 ) -> list[PageKey]:
     """Check a batch's keys with `validate_key`, and that there is one page per key.
 
@@ -65,13 +68,17 @@ def check_batch(
     Args:
         keys: the batch's keys (a sequence; one ``str`` is refused, not split).
         pages: the batch's pages, or None for a call without pages.
+        targets: the pages are read into (``batch_get``): each must be
+            writable and exactly as long as it says (``nbytes``).
 
     Returns:
         The keys, as a new list.
 
     Raises:
         InvalidInputError: a bad key, ``keys`` and ``pages`` of different
-            lengths, or a page that is not a `PageBuffer`.
+            lengths, a page that is not a `PageBuffer`, or (``targets``) a
+            page with a read-only segment or whose segments do not add up
+            to its ``nbytes``.
     """
     if isinstance(keys, str):
         raise InvalidInputError("keys must be a sequence of keys, not one str")
@@ -82,7 +89,22 @@ def check_batch(
         for p in pages:
             if not isinstance(p, PageBuffer):
                 raise InvalidInputError(f"pages must be PageBuffer objects, got {type(p).__name__}")
+            if targets:
+                _check_target(p)
     return out
+
+
+def _check_target(page: PageBuffer) -> None:
+    """Refuse a page buffer that no stored page can be read into."""
+    total = 0
+    for seg in page.segments:
+        if seg.readonly:
+            raise InvalidInputError("a target page has a read-only segment: it cannot be read into")
+        total += seg.nbytes
+    if total != page.nbytes:
+        raise InvalidInputError(
+            f"a target page says it holds {page.nbytes} bytes but its segments hold {total}"
+        )
 
 
 def _field(value: str) -> str:

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 from tiercache._aio import finish
 from tiercache.errors import ConfigError
 from tiercache.storage.base import BackendState, BackendStats, PageBuffer, PageKey, StorageBackend
+from tiercache.storage.format import check_target
 from tiercache.storage.keys import check_batch
 from tiercache.storage.registry import option_int, reject_unknown, url_options
 
@@ -113,20 +114,22 @@ class MemoryBackend(StorageBackend):
         return n
 
     async def batch_get(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
+        """Copy each stored page into its target.
+
+        Raises:
+            InvalidInputError: a bad key or target (`check_batch`), or a
+                stored page of another format or length than its target
+                (`check_target`): nothing is copied, the pages stay stored.
+        """
         self._check_open()
-        ks = check_batch(keys, pages)
+        ks = check_batch(keys, pages, targets=True)
+        entries = [self._store.get(k) for k in ks]
+        for k, e, page in zip(ks, entries, pages, strict=True):
+            if e is not None:
+                check_target(k, e.format, len(e.data), page)
         found: list[bool] = []
         copies: list[tuple[bytes, PageBuffer]] = []
-        for k, page in zip(ks, pages, strict=True):
-            e = self._store.get(k)
-            if e is not None and (e.format != page.format or len(e.data) != page.nbytes):
-                logger.warning(
-                    "memory backend: page %s is stored as %r (%d bytes), read as %r (%d bytes); dropped",
-                    k, e.format, len(e.data), page.format, page.nbytes,
-                )  # fmt: skip
-                self._remove(k)
-                self._stats.corrupt_pages += 1
-                e = None
+        for k, e, page in zip(ks, entries, pages, strict=True):
             if e is None:
                 found.append(False)
                 continue

@@ -41,7 +41,7 @@ from tiercache.errors import (
     StorageTimeoutError,
 )
 from tiercache.storage.base import BackendState, PageBuffer, PageKey, StorageBackend
-from tiercache.storage.format import pack_page, unpack_page
+from tiercache.storage.format import check_header, decode_header, pack_page, unpack_page
 from tiercache.storage.keys import check_batch
 from tiercache.storage.registry import option_bool
 
@@ -198,8 +198,15 @@ def _unpack_values(
 ) -> list[str | None | bool]:
     """Verify and copy each blob into its page.
 
-    Returns per page ``True`` (copied), ``False`` (no value) or the reason it
-    failed its checks (the page is left untouched).
+    Every header is checked against its target before any page is written.
+
+    Returns:
+        Per page ``True`` (copied), ``False`` (no value) or the reason it
+        failed its checks (the page is left untouched).
+
+    Raises:
+        InvalidInputError: an intact page of another format or length than
+            its target (`check_header`); no page was written.
     """
     out: list[str | None | bool] = []
     for key, blob, page in zip(keys, blobs, pages, strict=True):
@@ -207,11 +214,18 @@ def _unpack_values(
             out.append(False)
             continue
         try:
-            unpack_page(key, blob, page)
+            check_header(decode_header(blob), key, page)
         except StorageCorruptionError as e:
             out.append(str(e))
         else:
             out.append(True)
+    for i, (key, blob, page) in enumerate(zip(keys, blobs, pages, strict=True)):
+        if out[i] is True:
+            assert blob is not None
+            try:
+                unpack_page(key, blob, page)
+            except StorageCorruptionError as e:
+                out[i] = str(e)
     return out
 
 
@@ -236,6 +250,9 @@ class RedisBackend(StorageBackend):
     counted in ``stats.corrupt_pages``, never copied into the target, and the
     key is deleted (best effort, after the read; a valid page written between
     the read and the delete would be lost, which costs a miss, never wrong KV).
+    An intact page read into a target of another format or length is the
+    caller's mistake: ``batch_get`` raises `InvalidInputError` before it
+    writes any target, and every key stays.
     A hit does not extend a key's time to live.
 
     Large pages: a batch whose pages total more than `OFFLOAD_BYTES` (1 MiB)
@@ -691,13 +708,16 @@ class RedisBackend(StorageBackend):
             or failing its checks) keeps its previous bytes.
 
         Raises:
-            InvalidInputError: ``keys`` and ``pages`` differ in length, or a
-                key that `validate_key` refuses (as every backend does).
+            InvalidInputError: ``keys`` and ``pages`` differ in length, a
+                key that `validate_key` refuses or a target it cannot read
+                into (as every backend does), or an intact page of another
+                format or length than its target: no page buffer was
+                written and no key deleted.
             BackendUnavailableError, StorageTimeoutError, StorageError: the
                 read failed; no page buffer was written.
         """
         self._check_open()
-        keys = check_batch(keys, pages)
+        keys = check_batch(keys, pages, targets=True)
         if not keys:
             return []
 
