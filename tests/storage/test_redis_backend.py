@@ -463,11 +463,63 @@ async def test_lifecycle(make_redis_backend: MakeRedisBackend) -> None:
         ("redis://localhost:6379/abc", {}),
         ("redis://localhost:6379/0/1", {}),
         ("redis://localhost:6379/1?db=2", {}),
+        # Values redis-py takes and the server (or the connection) refuses
+        # only at the first call: refused here, where the URL is read.
+        ("redis://localhost:6379?protocol=9", {}),
+        ("redis://localhost:6379?protocol=1", {}),
+        ("redis://localhost:6379?protocol=three", {}),
+        ("redis+cluster://localhost:6379?protocol=9", {}),
+        ("redis://localhost:6379?db=-1", {}),
+        ("unix:///tmp/x.sock?db=-1", {}),
+        ("redis+cluster://localhost:6379/1", {}),
+        ("redis+cluster://localhost:6379?db=2", {}),
+        ("redis://localhost:6379?client_name=two%20words", {}),
+        ("redis://localhost:6379?client_name=line%0Abreak", {}),
+        ("rediss://localhost:6379?ssl_cert_reqs=sometimes", {}),
+        ("rediss://localhost:6379?ssl_check_hostname=maybe", {}),
+        # TLS settings on a connection without TLS would be a TypeError at connect.
+        ("redis://localhost:6379?ssl_cert_reqs=required", {}),
+        ("unix:///tmp/x.sock?ssl_ca_certs=/etc/ca.pem", {}),
+        # Given twice: redis-py would silently take one of them.
+        ("redis://localhost:6379?db=1&db=2", {}),
+        ("redis://localhost:6379?protocol=2&protocol=3", {}),
+        ("redis://localhost:6379?prefix=a:&prefix=b:", {}),
     ],
 )
 async def test_bad_configuration(url: str, options: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         await RedisBackend.from_url(url, ping_on_open=False, **options)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "protocol=2",
+        "protocol=3",
+        "db=0",
+        "db=15",
+        "client_name=worker-1",
+        "protocol=",
+        "db=",
+    ],
+)
+async def test_good_redis_py_parameters_are_accepted(redis_server: RedisServer, query: str) -> None:
+    server = redis_server.url.rpartition("/")[0]  # no database in the path
+    async with await RedisBackend.from_url(f"{server}?{query}") as backend:
+        await backend.ping()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "rediss://localhost:6379?ssl_cert_reqs=required&ssl_check_hostname=yes",
+        "rediss://localhost:6379?ssl_cert_reqs=none&ssl_check_hostname=off",
+        "rediss+cluster://localhost:6379?ssl_cert_reqs=optional&ssl_ca_certs=/etc/ca.pem",
+    ],
+)
+async def test_good_tls_parameters_are_accepted(url: str) -> None:
+    backend = await RedisBackend.from_url(url, ping_on_open=False)
+    await backend.aclose()
 
 
 async def test_options_from_url(redis_server: RedisServer) -> None:

@@ -43,7 +43,7 @@ from tiercache.errors import (
 from tiercache.storage.base import BackendState, PageBuffer, PageKey, StorageBackend
 from tiercache.storage.format import check_header, decode_header, pack_page, unpack_page
 from tiercache.storage.keys import check_batch
-from tiercache.storage.registry import option_bool
+from tiercache.storage.registry import option_bool, option_int
 
 try:
     import redis
@@ -155,22 +155,66 @@ def _as_positive_int(name: str, value: object) -> int:
     return check_positive(value, f"redis option {name}", error=ConfigError)
 
 
-def _split_query(query: str, url_display: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
+def _split_query(query: str, url_display: str) -> tuple[dict[str, str], dict[str, str]]:
     """The URL's query as (our options, parameters for redis-py).
 
+    A parameter for redis-py with an empty value is dropped (redis-py ignores
+    it too); the others are checked (`_check_passthrough`).
+
     Raises:
-        ConfigError: a parameter that is neither.
+        ConfigError: a parameter that is neither, one given twice (redis-py
+            would take one of them without a word), or a value redis-py or
+            the server would refuse only at the first call.
     """
     ours: dict[str, str] = {}
-    passed: list[tuple[str, str]] = []
+    passed: dict[str, str] = {}
+    seen: set[str] = set()
     for k, v in parse_qsl(query, keep_blank_values=True):
+        if k in seen:
+            raise ConfigError(f"redis URL parameter {k!r} appears twice in {url_display}")
+        seen.add(k)
         if k in _OPTIONS and k != "ping_on_open":
             ours[k] = v
         elif k in _PASSTHROUGH_QUERY:
-            passed.append((k, v))
+            if v:
+                passed[k] = _check_passthrough(k, v, url_display)
         else:
             raise ConfigError(f"unknown redis URL parameter {k!r} in {url_display}")
     return ours, passed
+
+
+#: Redis accepts a client name of printable ASCII without spaces (``CLIENT SETNAME``).
+_CLIENT_NAME = re.compile(r"[!-~]+")
+_CERT_REQS = ("none", "optional", "required")
+
+
+def _check_passthrough(name: str, value: str, url_display: str) -> str:
+    """A redis-py URL parameter checked, in the form redis-py reads as meant.
+
+    redis-py parses these when the first connection is made, and reads some
+    loosely (``ssl_check_hostname=off`` is true to it): a bad value would
+    fail every call, or quietly mean something else.
+
+    Raises:
+        ConfigError: ``db`` not an int >= 0, ``protocol`` not 2 or 3, a
+            ``client_name`` Redis refuses, ``ssl_cert_reqs`` not one of
+            ``none``, ``optional``, ``required``, or ``ssl_check_hostname``
+            not a bool word.
+    """
+    what = f"redis URL parameter {name} in {url_display}"
+    if name == "db":
+        return str(option_int(name, value, minimum=0))
+    if name == "protocol":
+        if value.strip() not in ("2", "3"):
+            raise ConfigError(f"{what} must be 2 or 3 (RESP2 or RESP3), got {value!r}")
+        return value.strip()
+    if name == "client_name" and not _CLIENT_NAME.fullmatch(value):
+        raise ConfigError(f"{what} may only use printable ASCII without spaces, got {value!r}")
+    if name == "ssl_cert_reqs" and value not in _CERT_REQS:
+        raise ConfigError(f"{what} must be one of {_CERT_REQS}, got {value!r}")
+    if name == "ssl_check_hostname":
+        return "true" if option_bool(name, value) else "false"
+    return value
 
 
 async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
@@ -240,7 +284,12 @@ class RedisBackend(StorageBackend):
     ``rediss+cluster://`` (or ``?cluster=1``) for Redis Cluster. The options
     below may also be given as query parameters (``?prefix=kv:&ttl_seconds=60``);
     a keyword argument wins over the URL. ``db``, ``username``, ``password``,
-    ``client_name``, ``protocol`` and the ``ssl_*`` parameters go to redis-py.
+    ``client_name``, ``protocol`` and the ``ssl_*`` parameters go to redis-py,
+    checked here first (no parameter twice, ``db`` an int >= 0 and 0 on a
+    cluster, ``protocol`` 2 or 3, ``client_name`` printable ASCII without
+    spaces, ``ssl_*`` only on ``rediss://``, ``ssl_cert_reqs`` one of
+    ``none``, ``optional``, ``required``, ``ssl_check_hostname`` a bool word),
+    so that a bad value is a `ConfigError` here, not a failure at every call.
 
     Consistency: a page is written with one ``SET key value NX`` carrying the
     whole header and payload, so the first writer of a key wins and a reader
@@ -280,8 +329,9 @@ class RedisBackend(StorageBackend):
             from the URL (``+cluster`` scheme or ``?cluster=1``).
 
     Raises:
-        ConfigError: unsupported scheme, unknown query parameter, or an option
-            out of range.
+        ConfigError: unsupported scheme, unknown query parameter, a
+            parameter given twice, an option out of range, or a redis-py
+            parameter whose value the connection would refuse (see above).
     """
 
     name = "redis"
@@ -315,16 +365,21 @@ class RedisBackend(StorageBackend):
                 f"the path of a redis URL is a database number, got {db!r} in {self._url_display}"
             )
         ours, passed = _split_query(parts.query, self._url_display)
-        query_dbs = {v for k, v in passed if k == "db"}
-        if scheme != "unix" and db and query_dbs - {db}:
+        query_db = passed.get("db")
+        if scheme != "unix" and db and query_db is not None and int(query_db) != int(db):
             # redis-py would silently take the query's database over the path's.
             raise ConfigError(
                 f"the redis URL names database {db} in its path and "
-                f"db={sorted(query_dbs)[0]} in its query: {self._url_display}"
+                f"db={query_db} in its query: {self._url_display}"
             )
         if cluster is None:
             cluster = _SCHEMES[scheme] or option_bool("cluster", ours.get("cluster", False))
         scheme = scheme.removesuffix("+cluster")
+        tls_options = sorted(k for k in passed if k.startswith("ssl_"))
+        if tls_options and scheme != "rediss":
+            raise ConfigError(
+                f"{', '.join(tls_options)} set TLS up: use a rediss:// URL, not {self._url_display}"
+            )
         self._set_options(
             ours,
             prefix=prefix,
@@ -336,6 +391,11 @@ class RedisBackend(StorageBackend):
         if self.cluster and scheme == "unix":
             raise ConfigError(
                 "Redis Cluster is reached over TCP: use redis+cluster:// or rediss+cluster://"
+            )
+        if self.cluster and int(query_db or db or 0) != 0:
+            raise ConfigError(
+                f"a Redis Cluster has database 0 only, the URL names {query_db or db}: "
+                f"{self._url_display}"
             )
         self._healthy = True
         client_url = _unsplit(scheme, parts.netloc, parts.path, urlencode(passed), parts.fragment)
@@ -414,7 +474,12 @@ class RedisBackend(StorageBackend):
                 client_url, timeout=self.timeout, **common
             )
             return aioredis.Redis.from_pool(pool)
-        except (ValueError, TypeError, redis_errors.RedisError) as e:
+        except (
+            ValueError,
+            TypeError,
+            redis_errors.RedisError,
+            redis_errors.RedisClusterException,
+        ) as e:
             raise ConfigError(
                 f"invalid redis URL {self._url_display}: {self._scrub(str(e))}"
             ) from None
