@@ -36,6 +36,7 @@ from tiercache.errors import ConfigError, InvalidInputError
 __all__ = [
     "check_backoff",
     "check_extra_key",
+    "check_index",
     "FALSE_WORDS",
     "TOKEN_LIMIT",
     "TRUE_WORDS",
@@ -223,6 +224,23 @@ def check_int(
     n = operator.index(value)  # type: ignore[arg-type]
     if minimum is not None and n < minimum:
         raise error(f"{what} must be >= {minimum}, got {n}")
+    return n
+
+
+def check_index(value: object, what: str, size: int) -> int:
+    """An index into ``size`` things: an ``int`` in ``[0, size)`` (numpy integers
+    accepted, ``bool`` and ``float`` not; no negative index from the end).
+
+    Cheap for a plain in-range ``int`` (pool views call it on the copy path).
+
+    Raises:
+        InvalidInputError: anything else.
+    """
+    if value.__class__ is int and 0 <= value < size:
+        return value
+    n = check_int(value, what)
+    if not 0 <= n < size:
+        raise InvalidInputError(f"{what} must be in [0, {size}), got {n}")
     return n
 
 

@@ -137,6 +137,44 @@ def test_page_buffer_is_a_zero_copy_view_of_one_page(host_layout: str) -> None:
         page.write(b"short")
 
 
+_NOT_AN_INDEX = [4.0, 0.0, 16.0, True, False, "0", None, np.float64(16.0)]
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+def test_host_pool_views_refuse_what_is_not_an_index_of_the_pool(host_layout: str) -> None:
+    """A slot, buffer or layer must be an int inside the pool (numpy ints
+    are ints): a float or bool is an `InvalidInputError`, never a TypeError
+    or a silent view of another slot, buffer or layer (``False`` is slot 0,
+    ``-1`` the last layer, to a tensor)."""
+    lay = KVLayout(2, 2, 4, torch.float16, 16)
+    pool = HostKVPool(lay, 64, host_layout=host_layout)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape))
+    for bad in [*_NOT_AN_INDEX, -16, 8, 64]:
+        with pytest.raises(InvalidInputError):
+            pool.page_buffer(bad)  # type: ignore[arg-type]
+    for b, layer in [(2, 0), (-1, 0), (0, 2), (0, -1), (True, 0), (0, 1.0), (0.0, 0)]:
+        with pytest.raises(InvalidInputError):
+            pool.layer(b, layer)  # type: ignore[arg-type]
+    for b, start, stop in [
+        (2, 0, 16),
+        (-1, 0, 16),
+        (0, -4, 4),
+        (0, 8, 4),
+        (0, 0, 65),
+        (0, 4.0, 8),
+        (0, True, 4),
+        (False, 0, 4),
+    ]:
+        with pytest.raises(InvalidInputError):
+            pool.tokens(b, start, stop)  # type: ignore[arg-type]
+    # numpy integers are ints, as everywhere else.
+    assert pool.page_buffer(np.int64(16)).tobytes() == pool.page_buffer(16).tobytes()
+    assert pool.page_buffer(np.int32(0)).tobytes() == pool.page_buffer(0).tobytes()
+    assert torch.equal(pool.layer(np.int64(1), np.int32(1)), pool.layer(1, 1))
+    assert torch.equal(pool.tokens(np.int64(1), np.int64(16), np.int64(32)), pool.tokens(1, 16, 32))
+    assert pool.tokens(0, 64, 64).numel() == 0  # an empty run at the end is a run
+
+
 def test_standalone_page_buffer() -> None:
     p = PageBuffer.from_bytes(b"abc", "f")
     assert p.tobytes() == b"abc" and p.nbytes == 3

@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from tiercache._checks import check_positive
+from tiercache._checks import check_index, check_positive
 from tiercache.errors import CapacityError, InvalidInputError
 from tiercache.memory.allocator import check_slot_indices
 from tiercache.memory.layout import KVLayout
@@ -320,10 +320,12 @@ def host_page_buffer(
     order: buffer by buffer, then (``layer_first``) layer by layer.
 
     Raises:
-        InvalidInputError: ``slot`` is not the first slot of a page of the pool.
+        InvalidInputError: ``slot`` is not an int (numpy integers are), or
+            not the first slot of a page of the pool.
     """
     ps = layout.page_size
-    if slot % ps or not 0 <= slot < num_slots:
+    slot = check_index(slot, "slot", num_slots)
+    if slot % ps:
         raise InvalidInputError(f"slot {slot} is not the first slot of a page of this pool")
     tok = layout.token_layer_bytes
     L, B, n = layout.num_layers, layout.num_buffers, num_slots
@@ -455,19 +457,41 @@ class HostKVPool:
 
         Contiguous in ``layer_first``; strided (one token every ``L*H*D``
         elements) in ``page_first``.
+
+        Raises:
+            InvalidInputError: ``b`` or ``layer`` is not an int (numpy
+                integers are) of the pool: no negative index from the end.
         """
+        b = check_index(b, "b", self.layout.num_buffers)
+        layer = check_index(layer, "layer", self.layout.num_layers)
         if self.host_layout == "layer_first":
             return self.buffer[b, layer]
         return self.buffer[b, :, layer]
 
     def tokens(self, b: int, start: int, stop: int) -> torch.Tensor:
-        """All layers of slots ``[start, stop)`` of buffer ``b``: ``(L, n, H, D)`` or ``(n, L, H, D)``."""
+        """All layers of slots ``[start, stop)`` of buffer ``b``: ``(L, n, H, D)`` or ``(n, L, H, D)``.
+
+        Raises:
+            InvalidInputError: ``b`` is not a buffer of the pool, or ``start``
+                and ``stop`` are not ints with ``0 <= start <= stop <=
+                num_slots`` (numpy integers are ints).
+        """
+        b = check_index(b, "b", self.layout.num_buffers)
+        start = check_index(start, "start", self.num_slots + 1)
+        stop = check_index(stop, "stop", self.num_slots + 1)
+        if start > stop:
+            raise InvalidInputError(f"start={start} is after stop={stop}")
         if self.host_layout == "layer_first":
             return self.buffer[b, :, start:stop]
         return self.buffer[b, start:stop]
 
     def page_buffer(self, slot: int) -> PageBuffer:
-        """A zero-copy `PageBuffer` over the page that starts at slot ``slot``."""
+        """A zero-copy `PageBuffer` over the page that starts at slot ``slot``.
+
+        Raises:
+            InvalidInputError: ``slot`` is not an int (numpy integers are), or
+                not the first slot of a page of the pool.
+        """
         return host_page_buffer(
             self._view, self.layout, self.host_layout, self.num_slots, slot, self.format
         )
