@@ -43,13 +43,13 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
 
 from tiercache._aio import bounded, finish
-from tiercache._checks import check_backoff, check_bool, check_int, is_int
+from tiercache._checks import check_backoff, check_bool, check_int, is_int, token_array
 from tiercache._tasks import TaskGroup
 from tiercache.errors import (
     BackendUnavailableError,
@@ -59,7 +59,7 @@ from tiercache.errors import (
     StorageError,
     StorageTimeoutError,
 )
-from tiercache.index.hashing import pack_tokens, page_hashes
+from tiercache.index.hashing import page_hashes
 from tiercache.memory.allocator import PageAllocator, check_slot_indices
 from tiercache.memory.pools import HostKVPool
 from tiercache.observe import observe
@@ -532,7 +532,8 @@ def check_storage_args(
     (a backup). The slots' state is checked last, once the arguments are good.
 
     Returns:
-        The CPU int64 host slots and the token ids (a list when given a tensor).
+        The CPU int64 host slots and the token ids, every one checked (an
+        ``array("I")``, or a numpy array when given an array or a tensor).
 
     Raises:
         InvalidInputError: slots that are not allocated page-aligned host
@@ -546,9 +547,9 @@ def check_storage_args(
     """
     page_size = slots.pool.layout.page_size
     host = check_slot_indices(host_indices, page_size, slots.pool.num_slots, "host_indices")
-    if isinstance(token_ids, torch.Tensor):
-        token_ids = token_ids.tolist()
-    pack_tokens(token_ids[:page_size])  # type checks the tokens early
+    # Every id, checked once here (in C); the array is what gets hashed later
+    # (a numpy one is sliced and hashed as a sequence is).
+    token_ids = cast("Sequence[int]", token_array(token_ids, "token_ids"))
     if len(token_ids) != host.numel():
         raise InvalidInputError(
             f"{len(token_ids)} tokens for {host.numel()} host slots: they must be equal"

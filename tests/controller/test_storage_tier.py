@@ -508,6 +508,11 @@ async def test_storage_verbs_check_every_argument_at_the_call(attached: bool) ->
             lambda: c.write_storage(host, tokens, hash_values=["ab"]),  # one hash for two pages
             lambda: c.write_storage(host, tokens, hash_values=["ab", "XY"]),
             lambda: c.write_storage(host, [-1] * (2 * PS)),
+            # A bad id past the first page, a bool among the ids:
+            lambda: c.prefetch("r", host, [*tokens[:-1], -1]),
+            lambda: c.prefetch("r", host, [*tokens[:-1], True]),
+            lambda: c.write_storage(host, [*tokens[:-1], 2**32]),
+            lambda: c.write_storage(host, [*tokens[:-1], "7"], hash_values=["ab", "cd"]),
             lambda: c.write_storage(host, tokens, track="yes"),  # type: ignore[arg-type]
         ]
         for call in bad_calls:
