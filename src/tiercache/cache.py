@@ -1330,7 +1330,8 @@ class TierCache(AsyncResource):
         Raises:
             InvalidInputError: ``match`` is not a `CacheMatch`.
             StateError: the index changed since ``match`` (its nodes were
-                evicted or flushed): match again.
+                evicted or flushed): match again; or ``match`` comes from
+                another `TierCache`.
             CapacityError: no device room for the host part (see `alloc_device`).
         """
         return await self._load_back(match, own=-1)
@@ -1340,8 +1341,7 @@ class TierCache(AsyncResource):
     ) -> tuple[torch.Tensor, LoadHandle | None]:
         """`load_back`; ``fresh``: ``match`` was taken with no await since (nothing to check)."""
         ctl = self._check()
-        if not isinstance(match, CacheMatch):
-            raise InvalidInputError(f"match must be a CacheMatch, got {type(match).__name__}")
+        self._check_match(match)
         if match.host_tokens == 0:
             if not fresh:
                 self._check_device_match(match)
@@ -1370,6 +1370,19 @@ class TierCache(AsyncResource):
             return full.device_indices, None
         self._stats.loads_back += 1
         return full.device_indices, handle
+
+    def _check_match(self, match: CacheMatch) -> None:
+        """Check that ``match`` is a `CacheMatch` of this cache.
+
+        Raises:
+            InvalidInputError: not a `CacheMatch`.
+            StateError: a match of another cache (its nodes and slots are
+                that cache's).
+        """
+        if not isinstance(match, CacheMatch):
+            raise InvalidInputError(f"match must be a CacheMatch, got {type(match).__name__}")
+        if not self.index.owns(match.index.last_node):
+            raise StateError("match comes from another TierCache: match on this one")
 
     def _check_device_match(self, match: CacheMatch) -> None:
         """Check that the index still holds ``match``'s device prefix in the same slots.
@@ -1537,15 +1550,16 @@ class TierCache(AsyncResource):
         Raises:
             InvalidInputError: bad tokens, a ``match`` that is not a
                 `CacheMatch`, or an unknown ``policy``.
-            StateError: ``match`` names a node no longer in the index.
+            StateError: ``match`` names a node no longer in the index, or
+                comes from another `TierCache`.
         """
         ctl = self._check()
         toks = self._tokens(tokens)
         policy = check_choice(
             self.config.prefetch_policy if policy is None else policy, PREFETCH_POLICIES, "policy"
         )
-        if match is not None and not isinstance(match, CacheMatch):
-            raise InvalidInputError(f"match must be a CacheMatch, got {type(match).__name__}")
+        if match is not None:
+            self._check_match(match)
         match = match or self.match_prefix(toks)
         n = match.storage_candidate_tokens
         if not ctl.storage_attached or n <= 0 or n < self.config.prefetch_threshold:

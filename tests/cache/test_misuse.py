@@ -553,3 +553,34 @@ async def test_unlock_releases_only_locks_taken_with_lock() -> None:
         await c.wait_idle()
         check_accounting(c)
         assert not any(n.lock_ref for n in c.index.nodes())
+
+
+async def test_a_match_or_node_of_another_cache_is_refused() -> None:
+    """Two caches of one shape number their slots and nodes alike: a match taken on one
+    and passed to the other named the first one's host slots, and its load attached
+    the second one's device slots to the first one's nodes (wrong KV on the first)."""
+    P = list(range(900, 948))
+    Q = list(range(300, 348))
+    async with TierCache(config()) as a, TierCache(config()) as b:
+        await b.attach_storage(MemoryBackend())
+        await serve(a, [*P, 1])
+        await serve(b, [*Q, 1])
+        await a.wait_idle()
+        await a.evict_device(256)  # P is on a's host only
+        host_match = a.match_prefix(P)
+        assert host_match.host_tokens == 48
+        await serve(a, [*Q, 2])  # a's device holds other KV now
+        device_match = a.match_prefix(Q)
+        root_match = a.match_prefix([7] * 48)  # nothing cached: a's root
+        node = device_match.index.last_device_node
+        for m in (host_match, device_match, root_match):
+            await refused(b, lambda m=m: b.load_back(m), StateError)
+            await refused(b, lambda m=m: b.prefetch(P, m), StateError)
+        await refused(b, lambda: b.lock(node), StateError)
+        await refused(b, lambda: b.unlock(node), StateError)
+        assert node.lock_ref == 0
+        assert await serve(a, [*P, 3]) == 48  # a's KV, from a's host
+        assert await serve(b, [*Q, 3]) == 48
+        for c in (a, b):
+            await c.wait_idle()
+            check_accounting(c)

@@ -108,6 +108,8 @@ class Node:
         write_id: the in-flight device->host write covering the node, or ``None``.
         extra_key: the namespace.
         id: unique within the index.
+        owner: the index the node belongs to (a node of another index is
+            refused by every call, as a removed one is).
     """
 
     key: tuple[int, ...]
@@ -124,6 +126,7 @@ class Node:
     last_access: float = 0.0
     backuped_storage: bool = False
     write_id: int | None = None
+    owner: object = None
 
     @property
     def evicted(self) -> bool:
@@ -283,6 +286,9 @@ class RadixIndex:
         self.page_size = check_int(page_size, "page_size", minimum=1)
         self.clock = clock
         self._ids = itertools.count()
+        # Every node this index makes carries it: a node of another index
+        # (another cache's match) is never taken for one of this index's.
+        self._owner = object()
         self.reset()
 
     # -- lifecycle and views --------------------------------------------------
@@ -301,7 +307,7 @@ class RadixIndex:
                 stack.extend(n.children.values())
                 n.children = {}
                 n.parent = None
-        self.root = Node((), None, next(self._ids))
+        self.root = Node((), None, next(self._ids), owner=self._owner)
         self._epoch = self.root.id  # every node with a smaller id is from before this reset
         self._roots: dict[str | None, Node] = {None: self.root}
         self._writes: dict[int, list[Node]] = {}
@@ -337,6 +343,10 @@ class RadixIndex:
     def pending_writes(self) -> dict[int, list[Node]]:
         """A copy of the in-flight writes: write id -> the nodes covering it, top to bottom."""
         return {w: list(ns) for w, ns in self._writes.items()}
+
+    def owns(self, node: Node) -> bool:
+        """Whether ``node`` was made by this index (attached now or not)."""
+        return isinstance(node, Node) and node.owner is self._owner
 
     def path(self, node: Node) -> list[Node]:
         """The nodes from below the root down to ``node``, in order (``[]`` for a root)."""
@@ -473,6 +483,7 @@ class RadixIndex:
             last_access=node.last_access,
             backuped_storage=node.backuped_storage,
             write_id=node.write_id,
+            owner=self._owner,
         )
         node.key = node.key[at:]
         if node.device_indices is not None:
@@ -646,6 +657,7 @@ class RadixIndex:
             host_indices=host_indices,
             page_hashes=page_hashes,
             last_access=now,
+            owner=self._owner,
         )
         parent.children[key[: self.page_size]] = new
         if device_indices is not None:
@@ -1116,12 +1128,14 @@ class RadixIndex:
         root = self._roots.get(extra_key)
         if root is None:
             # Unregistered until something is inserted under it.
-            root = Node((), None, next(self._ids), extra_key=extra_key)
+            root = Node((), None, next(self._ids), extra_key=extra_key, owner=self._owner)
         return root
 
     def _check_attached(self, node: Node) -> None:
         if not isinstance(node, Node):
             raise InvalidInputError(f"expected a Node, got {type(node).__name__}")
+        if not self.owns(node):
+            raise StateError(f"{node} is a node of another index")
         if node.is_root:
             # A root holds nothing: one of an emptied (dropped) namespace still names it.
             if node.id < self._epoch:
