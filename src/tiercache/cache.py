@@ -545,6 +545,7 @@ class TierCache(AsyncResource):
                 `lock` (nothing is changed), or is not in the index.
         """
         self._check()
+        self.index.path(node)  # a Node of this index, else refused before the lock count
         held = self._locks.get(node, 0)
         if held <= 0:
             raise StateError(f"unlock of {node}: it holds no lock taken with TierCache.lock")

@@ -584,3 +584,13 @@ async def test_a_match_or_node_of_another_cache_is_refused() -> None:
         for c in (a, b):
             await c.wait_idle()
             check_accounting(c)
+
+
+@pytest.mark.parametrize("bad", [None, 3, [1], "node"])
+async def test_unlock_of_what_is_not_a_node_is_invalid_input(bad: Any) -> None:
+    """`unlock` documents InvalidInputError for a non-Node (as `lock` raises); it said
+    StateError ("holds no lock"), and a list was a raw TypeError (unhashable)."""
+    async with TierCache(config()) as c:
+        await serve(c, [*range(64), 1])
+        await refused(c, lambda: c.lock(bad), InvalidInputError)
+        await refused(c, lambda: c.unlock(bad), InvalidInputError)
