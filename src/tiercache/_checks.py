@@ -25,7 +25,7 @@ import numbers
 import operator
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +37,7 @@ __all__ = [
     "check_backoff",
     "check_extra_key",
     "check_index",
+    "check_instance",
     "FALSE_WORDS",
     "TOKEN_LIMIT",
     "TRUE_WORDS",
@@ -52,6 +53,8 @@ __all__ = [
     "token_array",
     "token_list",
 ]
+
+_T = TypeVar("_T")
 
 #: Token ids lie in ``[0, TOKEN_LIMIT)``: storage keys pack each id into 4 bytes.
 TOKEN_LIMIT = 1 << 32
@@ -321,6 +324,20 @@ def parse_bool(value: object, what: str, *, error: type[Exception] = ConfigError
         if word in TRUE_WORDS or word in FALSE_WORDS:
             return word in TRUE_WORDS
     raise error(f"{what} must be a bool (1/0, true/false, yes/no, on/off), got {value!r}")
+
+
+def check_instance(
+    value: object, cls: type[_T], what: str, *, error: type[Exception] = InvalidInputError
+) -> _T:
+    """``value`` once it is an instance of ``cls``.
+
+    Raises:
+        InvalidInputError: (or ``error``) anything else, named in the message,
+            rather than an ``AttributeError`` wherever it is first used.
+    """
+    if not isinstance(value, cls):
+        raise error(f"{what} must be a {cls.__name__}, got {type(value).__name__}")
+    return value
 
 
 def check_choice(

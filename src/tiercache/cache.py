@@ -62,6 +62,7 @@ from tiercache._checks import (
     check_choice,
     check_count,
     check_extra_key,
+    check_instance,
     check_slot_tensor,
     token_list,
 )
@@ -285,6 +286,12 @@ class TierCache(AsyncResource):
             config when not given), with its ``device_allocator``.
         tp_group: a ``torch.distributed`` process group over the TP ranks.
 
+    Raises:
+        InvalidInputError: ``config``, ``device_pool`` or ``device_allocator``
+            of the wrong type, or a ``device_pool`` of another layout than
+            the config's (checked here; the allocator's size at `open`).
+        ConfigError: a bad override.
+
     Use ``async with TierCache(config) as cache:``. Closing waits for copies,
     stops storage coroutines and frees every slot.
     """
@@ -298,15 +305,20 @@ class TierCache(AsyncResource):
         tp_group: Any = None,
         **overrides: Any,
     ) -> None:
-        config = config or TierCacheConfig()
-        if not isinstance(config, TierCacheConfig):
-            raise InvalidInputError(
-                f"config must be a TierCacheConfig, got {type(config).__name__}"
-            )
+        config = check_instance(config or TierCacheConfig(), TierCacheConfig, "config")
         if overrides:
             config = config.replace(**overrides)
         self.config = config
         self.layout = config.layout()
+        if device_pool is not None:
+            check_instance(device_pool, DeviceKVPool, "device_pool")
+            if device_pool.layout != self.layout:
+                raise InvalidInputError(
+                    f"device_pool holds {device_pool.layout.describe()}, "
+                    f"the config describes {self.layout.describe()}"
+                )
+        if device_allocator is not None:
+            check_instance(device_allocator, PageAllocator, "device_allocator")
         self._device_pool = device_pool
         self._device_allocator = device_allocator
         self._tp_group = tp_group
@@ -1380,8 +1392,7 @@ class TierCache(AsyncResource):
             StateError: a match of another cache (its nodes and slots are
                 that cache's).
         """
-        if not isinstance(match, CacheMatch):
-            raise InvalidInputError(f"match must be a CacheMatch, got {type(match).__name__}")
+        check_instance(match, CacheMatch, "match")
         if not self.index.owns(match.index.last_node):
             raise StateError("match comes from another TierCache: match on this one")
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from tiercache._aio import check_on_loop
-from tiercache._checks import check_bool, check_choice, check_int
+from tiercache._checks import check_bool, check_choice, check_instance, check_int
 from tiercache._resource import AsyncResource
 from tiercache._tasks import TaskGroup
 from tiercache.errors import (
@@ -491,6 +491,13 @@ class _HostSlots:
             failed(tier)
 
 
+def _allocator(given: object, num_slots: int, page_size: int, pool: str) -> PageAllocator:
+    """The allocator given for a pool (checked to be one), or a new one over its slots."""
+    if given is None:
+        return PageAllocator(num_slots, page_size)
+    return check_instance(given, PageAllocator, f"{pool}_allocator")
+
+
 class TierController(AsyncResource):
     """Moves KV pages between a device pool, a host pool and (optionally) storage.
 
@@ -529,7 +536,8 @@ class TierController(AsyncResource):
 
     Raises:
         ConfigError: a bad ``inline_copy_bytes``, ``auto_start_writes`` or ``track_acks``.
-        InvalidInputError: pools or allocators that do not match.
+        InvalidInputError: pools or allocators that are not a `DeviceKVPool`,
+            a `HostKVPool` and `PageAllocator` instances, or that do not match.
     """
 
     def __init__(
@@ -555,8 +563,8 @@ class TierController(AsyncResource):
         self.device_pool = device_pool
         self.host_pool = host_pool
         ps = self.layout.page_size
-        self.device_allocator = device_allocator or PageAllocator(device_pool.num_slots, ps)
-        self.host_allocator = host_allocator or PageAllocator(host_pool.num_slots, ps)
+        self.device_allocator = _allocator(device_allocator, device_pool.num_slots, ps, "device")
+        self.host_allocator = _allocator(host_allocator, host_pool.num_slots, ps, "host")
         for name, alloc, pool_slots in (
             ("device_allocator", self.device_allocator, device_pool.num_slots),
             ("host_allocator", self.host_allocator, host_pool.num_slots),

@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from tiercache import TierCache, TierCacheConfig
+from tiercache import (
+    DeviceKVPool,
+    HostKVPool,
+    KVLayout,
+    PageAllocator,
+    TierCache,
+    TierCacheConfig,
+    TierController,
+)
 from tiercache.cache import Request
 from tiercache.errors import CapacityError, InvalidInputError, StateError
 from tiercache.index.hashing import hash_page
@@ -594,3 +602,36 @@ async def test_unlock_of_what_is_not_a_node_is_invalid_input(bad: Any) -> None:
         await serve(c, [*range(64), 1])
         await refused(c, lambda: c.lock(bad), InvalidInputError)
         await refused(c, lambda: c.unlock(bad), InvalidInputError)
+
+
+async def test_an_engines_own_pool_and_allocator_are_checked_then_shared() -> None:
+    """`TierCache(device_pool=..., device_allocator=...)`: anything but a pool and an
+    allocator was a raw AttributeError at open, and a pool of another shape was
+    reported as "device and host pools differ"."""
+    lay = config().layout()
+    other = KVLayout(2, 2, 4, torch.float32, PS)
+    for kwargs, message in [
+        ({"device_pool": "pool"}, "device_pool must be a DeviceKVPool"),
+        ({"device_pool": DeviceKVPool(other, 256)}, "the config describes"),
+        ({"device_allocator": [0, 16]}, "device_allocator must be a PageAllocator"),
+        (
+            {"device_pool": DeviceKVPool(lay, 256), "device_allocator": object()},
+            "device_allocator must be a PageAllocator",
+        ),
+    ]:
+        with pytest.raises(InvalidInputError, match=message):
+            TierCache(config(), **kwargs)
+    host = HostKVPool(lay, 64)
+    with pytest.raises(InvalidInputError, match="device_pool must be a DeviceKVPool"):
+        TierController("pool", host)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="host_pool must be a HostKVPool"):
+        TierController(DeviceKVPool(lay, 256), None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="host_allocator must be a PageAllocator"):
+        TierController(DeviceKVPool(lay, 256), host, host_allocator=1)  # type: ignore[arg-type]
+    # The right ones are used as they are: the engine's allocator is the cache's.
+    pool, alloc = DeviceKVPool(lay, 256), PageAllocator(256, PS)
+    async with TierCache(config(), device_pool=pool, device_allocator=alloc) as c:
+        assert c.device_pool is pool and c.controller.device_allocator is alloc
+        await serve(c, [*range(40), 1])
+        assert await serve(c, [*range(40), 2]) == 32
+        assert alloc.used == c.index.total_device_tokens() == 32

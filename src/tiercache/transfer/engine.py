@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiercache._checks import check_instance
 from tiercache.errors import InvalidInputError
 from tiercache.memory.allocator import check_slot_indices
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
@@ -344,10 +345,13 @@ class CopyEngine:
     never a Python loop per token.
 
     Raises:
-        InvalidInputError: the pools have different layouts.
+        InvalidInputError: not a `DeviceKVPool` and a `HostKVPool`, or pools
+            with different layouts.
     """
 
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
+        check_instance(device_pool, DeviceKVPool, "device_pool")
+        check_instance(host_pool, HostKVPool, "host_pool")
         if device_pool.layout != host_pool.layout:
             raise InvalidInputError(
                 f"device and host pools differ: {device_pool.layout} vs {host_pool.layout}"
