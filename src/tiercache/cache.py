@@ -1278,9 +1278,10 @@ class TierCache(AsyncResource):
             for n in nodes:
                 self._backup_node(ctl, n)
 
-    def _backup_node(self, ctl: TierController, node: Node) -> None:
+    def _backup_node(self, ctl: TierController, node: Node) -> BackupOperation | None:
+        """Start backing ``node`` up to storage; the operation, or ``None`` when none started."""
         if node.backuped_storage or node.host_indices is None or node.parent is None:
-            return
+            return None
         self.index.pin_host(node)
         op = ctl.write_storage(
             node.host_indices,
@@ -1291,7 +1292,7 @@ class TierCache(AsyncResource):
         )
         if op is None:
             self.index.unpin_host(node)
-            return
+            return None
         self._backups.add(op)
 
         async def wait() -> None:
@@ -1308,19 +1309,26 @@ class TierCache(AsyncResource):
                 self._notify_room()  # an unpinned host-only node may be evicted now
 
         self._spawn(wait(), "a storage backup's bookkeeping")
+        return op
 
     async def backup_to_storage(self) -> int:
-        """Back up every host-resident node not yet in storage; wait for it. Returns nodes written."""
+        """Back up every host-resident node not yet in storage; wait for it.
+
+        Returns:
+            Nodes written: whose backup succeeded. A node whose backup failed
+            or ended early (a storage error is a miss, never raised) is not
+            counted, and the next call tries it again.
+        """
         ctl = self._check()
         if not ctl.storage_attached:
             return 0
-        count = 0
-        for n in list(self.index.nodes()):
-            if not n.is_root and n.on_host and not n.write_in_flight and not n.backuped_storage:
-                self._backup_node(ctl, n)
-                count += 1
+        ops = [
+            self._backup_node(ctl, n)
+            for n in list(self.index.nodes())
+            if not n.is_root and n.on_host and not n.write_in_flight and not n.backuped_storage
+        ]
         await self.wait_idle()
-        return count
+        return sum(1 for op in ops if op is not None and op.succeeded)
 
     # -- load back and prefetch ---------------------------------------------------
 

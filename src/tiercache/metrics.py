@@ -40,7 +40,7 @@ name                                        type       meaning
 ``prefetches_total``                        counter    storage prefetches started
 ``prefetch_outcomes_total{outcome}``        counter    ``completed``, ``revoked``, ``terminated``,
                                                        ``failed``
-``storage_backups_total``                   counter    backups to storage started
+``storage_backups_total``                   counter    node backups to storage that succeeded
 ``storage_errors_total``                    counter    failed or timed-out storage calls
 ``storage_outages_total``                   counter    times the backend was declared down
 ``storage_reconnects_total``                counter    times a down backend answered again
@@ -144,7 +144,7 @@ _CACHE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("requested_tokens", "tokens_requested", "Prompt tokens looked up."),
     ("inserted_tokens", "tokens_inserted", "Tokens of new KV inserted."),
     ("prefetches", "prefetches", "Storage prefetches started."),
-    ("storage_backups", "storage_backups", "Backups to storage started."),
+    ("storage_backups", "storage_backups", "Node backups to storage that succeeded."),
     ("storage_errors", "storage_errors", "Storage calls that failed or timed out."),
     ("storage_outages", "storage_outages", "Times the storage backend was declared down."),
     ("storage_reconnects", "storage_reconnects", "Times a down storage backend answered again."),
