@@ -698,7 +698,7 @@ class TierCache(AsyncResource):
         """
         ctl = self.controller
         blocked = [held for k, held in self._blocked.items() if k is not key]
-        outside = ctl.device_allocator.used - int(self._index_pages.sum()) * self.layout.page_size
+        outside = self._held_outside_index()
         others_open = self._open_requests - (1 if own >= 0 else 0) - len(blocked)
         return (
             others_open <= 0
@@ -708,6 +708,12 @@ class TierCache(AsyncResource):
             and len(self._own) <= len(self._deferred_writes)  # those free no device room
             and len(self._device_queue) <= 1 + len(blocked)
         )
+
+    def _held_outside_index(self) -> int:
+        """Device slots allocated that no index node holds: requests', callers' of
+        `alloc_device` (or, with an engine's allocator, the engine's), copies'."""
+        used = self.controller.device_allocator.used
+        return used - int(self._index_pages.sum()) * self.layout.page_size
 
     def _notify_room(self) -> None:
         """Wake the tasks waiting for device or host room: room may have appeared.
@@ -1800,8 +1806,10 @@ class TierCache(AsyncResource):
         """Drop everything on the device and host tiers; keep storage (what a restart looks like).
 
         Raises:
-            StateError: a request is open or a node is locked (its slots
-                would be freed under it).
+            StateError: a request is open, a node is locked, or device slots
+                from `alloc_device` are neither inserted nor freed (with an
+                engine's own allocator: any slots the engine holds). Their
+                slots would be freed under them and handed out again.
         """
         ctl = self._check()
         if self._open_requests:
@@ -1809,6 +1817,12 @@ class TierCache(AsyncResource):
         await self.wait_idle()
         if self._open_requests or any(n.lock_ref for n in self.index.nodes()):
             raise StateError("flush while requests hold locks")
+        held = self._held_outside_index()
+        if held:
+            raise StateError(
+                f"flush while {held} device slots are allocated outside the index: "
+                "insert or free_device them first"
+            )
         await ctl.reset()
         self.index.reset()
         self._index_pages[:] = False

@@ -635,3 +635,23 @@ async def test_an_engines_own_pool_and_allocator_are_checked_then_shared() -> No
         await serve(c, [*range(40), 1])
         assert await serve(c, [*range(40), 2]) == 32
         assert alloc.used == c.index.total_device_tokens() == 32
+
+
+async def test_flush_refuses_while_alloc_device_slots_are_not_inserted_or_freed() -> None:
+    """flush reset the device allocator under slots a caller had from `alloc_device`:
+    the next `alloc_device` handed the same slots out again, and two callers wrote
+    their KV into one place."""
+    P = list(range(600, 632))
+    async with TierCache(config()) as c:
+        await serve(c, [*P, 1])
+        await c.wait_idle()
+        mine = await c.alloc_device(32)
+        await refused(c, c.flush, StateError)
+        write_kv(c, [*range(32)], 0, mine)
+        assert await c.insert([*range(32)], mine) == 0
+        await c.flush()  # everything it held is the index's: it may go
+        assert c.controller.device_allocator.used == 0
+        mine = await c.alloc_device(16)
+        c.free_device(mine)
+        await c.flush()
+        check_accounting(c)
