@@ -355,6 +355,9 @@ class TierCache(AsyncResource):
         self._blocked: dict[object, int] = {}
         # Locks taken with `lock` and not yet released by `unlock`, per node.
         self._locks: dict[Node, int] = {}
+        # Flushes so far: a prefetch that spans one finds its parent and its
+        # host slots gone (`_settle_prefetch`).
+        self._flushes = 0
         # The loop that opened the cache: every verb runs on it (see `_check`).
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: int | None = None
@@ -1571,7 +1574,8 @@ class TierCache(AsyncResource):
 
         Returns:
             Tokens fetched and inserted (0 without storage, under the
-            threshold, without host room, or on any storage failure).
+            threshold, without host room, on any storage failure, or when a
+            `flush` came while it was fetching: the flush dropped the pages).
 
         Raises:
             InvalidInputError: bad tokens, a ``match`` that is not a
@@ -1612,7 +1616,7 @@ class TierCache(AsyncResource):
             return 0
         op.add_done_callback(lambda _op: self._notify_room())  # it freed its unfilled slots
         self._stats.prefetches += 1
-        settle = self._settle_prefetch(ctl, op, wanted, parent, match.extra_key)
+        settle = self._settle_prefetch(ctl, op, wanted, parent, match.extra_key, self._flushes)
         try:
             await self._wait_policy(op, policy, n, spent=loop.time() - began)
         except BaseException:
@@ -1656,15 +1660,21 @@ class TierCache(AsyncResource):
         toks: list[int],
         parent: Node,
         extra_key: str | None,
+        flushes: int,
     ) -> int:
-        """Terminate ``op``, insert what arrived under ``parent``, free the rest."""
+        """Terminate ``op``, insert what arrived under ``parent``, free the rest.
+
+        ``flushes``: `_flushes` when ``op`` started. A flush since then has
+        dropped ``parent`` and freed every host slot, the fetched ones
+        included: nothing is inserted, unpinned or freed, and 0 is returned.
+        """
         try:
             done, hashes = await ctl.terminate_prefetch(op)
         finally:
-            if not parent.is_root and parent.host_pin:
+            if self._flushes == flushes and not parent.is_root and parent.host_pin:
                 self.index.unpin_host(parent)
                 self._notify_room()
-        if done == 0:
+        if done == 0 or self._flushes != flushes:
             return 0
         got = op.host_indices[:done]
         if self.state is not CacheState.OPEN or (parent.parent is None and not parent.is_root):
@@ -1824,6 +1834,7 @@ class TierCache(AsyncResource):
                 "insert or free_device them first"
             )
         await ctl.reset()
+        self._flushes += 1
         self.index.reset()
         self._index_pages[:] = False
         self._request_pages[:] = False
