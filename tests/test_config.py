@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 from pathlib import Path
 
@@ -300,3 +301,29 @@ def test_every_frozen_settings_class_is_hashable() -> None:
         StorageTierConfig(),
     ):
         assert hash(value) == hash(copy.deepcopy(value)), value
+
+
+@pytest.mark.parametrize("path", [True, 0, 3.5, None, b"tiercache.toml"])
+def test_from_toml_refuses_what_is_not_a_path_and_leaves_file_descriptors_alone(
+    path: object, tmp_path: Path
+) -> None:
+    """``open`` takes an int as a file descriptor: from_toml(fd) read that file
+    and closed the caller's descriptor, and from_toml(True) closed stdout (fd 1)."""
+    spare = tmp_path / "spare"
+    spare.write_text("[tiercache]\npage_size = 8\n")
+    fd = os.open(spare, os.O_RDONLY)
+    try:
+        for p in (path, fd):
+            with pytest.raises(ConfigError, match="path must be a str or a path"):
+                TierCacheConfig.from_toml(p)  # type: ignore[arg-type]
+        os.fstat(fd)  # still open
+    finally:
+        os.close(fd)
+    with pytest.raises(ConfigError, match="table must be a str or None"):
+        TierCacheConfig.from_toml(spare, table=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("environ", [5, ["TIERCACHE_PAGE_SIZE=8"], "TIERCACHE_PAGE_SIZE=8"])
+def test_from_env_refuses_an_environ_that_is_not_a_mapping(environ: object) -> None:
+    with pytest.raises(ConfigError, match="environ must be a mapping"):
+        TierCacheConfig.from_env(environ)  # type: ignore[arg-type]

@@ -334,8 +334,14 @@ class TierCacheConfig:
         """Build from a TOML file: the ``[tiercache]`` table, or the whole file when absent.
 
         Raises:
-            ConfigError: unreadable or invalid file, or bad values.
+            ConfigError: ``path`` is not a str or path (an int would be read
+                as an open file descriptor, and closed), ``table`` is not a
+                str or None, an unreadable or invalid file, or bad values.
         """
+        if isinstance(path, bool) or not isinstance(path, str | os.PathLike):
+            raise ConfigError(f"path must be a str or a path, got {type(path).__name__} {path!r}")
+        if table is not None and not isinstance(table, str):
+            raise ConfigError(f"table must be a str or None, got {table!r}")
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
@@ -355,8 +361,14 @@ class TierCacheConfig:
         is ``key=value,key=value`` (anything else raises). Keyword ``overrides`` win over the
         environment. Unknown ``TIERCACHE_`` variables are ignored (other tools
         share the prefix), except that a bad value for a known one raises.
+
+        Raises:
+            ConfigError: ``environ`` is not a mapping, a bad value, or an
+                unknown override.
         """
         env = os.environ if environ is None else environ
+        if not isinstance(env, Mapping):
+            raise ConfigError(f"environ must be a mapping, got {type(env).__name__}")
         types = {f.name: f.type for f in fields(cls)}
         data: dict[str, Any] = {}
         for key, raw in env.items():
