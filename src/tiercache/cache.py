@@ -1903,6 +1903,8 @@ class Request:
         self.load = loads[0] if loads else None
         self._node = node
         self._owned: list[torch.Tensor] = []
+        # The slots of the last page `alloc` took that it has not returned yet.
+        self._spare = torch.empty(0, dtype=torch.int64)
         self._committed = False
         self._committing = False
         self._released = False
@@ -1942,11 +1944,16 @@ class Request:
                 raise
 
     async def alloc(self, num_tokens: int) -> torch.Tensor:
-        """Device slots for new tokens, rounded up to whole pages; the first ``num_tokens`` are returned.
+        """Device slots for the next ``num_tokens`` new tokens, page by page.
 
-        Waits for room held by other requests or copies (see
-        `TierCache.alloc_device`). Slots the request does not commit are
-        freed when it ends.
+        The request takes whole pages: the slots the previous `alloc` left
+        unused in its last page come first, then new pages (waiting for room
+        held by other requests or copies, see `TierCache.alloc_device`). So
+        successive calls (the prompt's tokens, then generated ones) return
+        slots that continue each other, and ``prefix_indices`` followed by
+        every `alloc`'s slots, in order, is what `commit` takes for the
+        prompt and its generated tokens. Slots the request does not commit
+        are freed when it ends.
 
         Raises:
             InvalidInputError: ``num_tokens`` is not a non-negative int.
@@ -1956,14 +1963,20 @@ class Request:
         """
         if self._released:
             raise StateError("the request has ended")
+        self.cache._check()  # the loop's thread, open, no failure pending: spare slots too
         n = check_count(num_tokens)
         ps = self.cache.layout.page_size
-        pages = -(-n // ps) * ps
+        spare = self._spare[:n]
+        more = n - int(spare.numel())
+        if more <= 0:
+            self._spare = self._spare[n:]
+            return spare
         own = sum(int(t.numel()) for t in self._owned)
-        slots = await self.cache._alloc_device(pages, own=own)
+        slots = await self.cache._alloc_device(-(-more // ps) * ps, own=own)
         self._owned.append(slots)
         self.cache._request_pages[self.cache._pages(slots)] = True
-        return slots[:n]
+        self._spare = slots[more:]
+        return torch.cat([spare, slots[:more]])
 
     async def commit(
         self,
@@ -1976,7 +1989,8 @@ class Request:
 
         ``tokens`` must start with the request's own tokens; ``device_indices``
         is one slot per token: the prefix's slots (`prefix_indices`) followed
-        by slots from `alloc`. Whole pages are inserted; the slots of a
+        by the slots of the request's `alloc` calls, in order (one for the
+        prompt, more for generated tokens: they continue each other). Whole pages are inserted; the slots of a
         trailing partial page go back when the request ends. Waits for the
         prefix's load first.
 

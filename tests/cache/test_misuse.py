@@ -655,3 +655,34 @@ async def test_flush_refuses_while_alloc_device_slots_are_not_inserted_or_freed(
         c.free_device(mine)
         await c.flush()
         check_accounting(c)
+
+
+@pytest.mark.parametrize("steps", [[1, 9], [3, 3, 3, 3], [16, 4], [0, 2, 0, 30]])
+async def test_prompt_and_generated_tokens_commit_from_successive_allocs(steps: list[int]) -> None:
+    """`commit` takes the prompt plus generated tokens, with the slots of the
+    request's allocs in order; but each `alloc` began a new page, so a prompt
+    that left a page part-filled made every such commit a refused
+    "not page-aligned" one, and the generated tokens' KV was never cached."""
+    P = list(range(700, 707 + PS))  # not a whole number of pages
+    async with TierCache(config()) as c:
+        async with c.request(P) as req:
+            tokens = list(P)
+            slots = [req.prefix_indices, await req.alloc(len(P) - req.cached_tokens)]
+            for i, n in enumerate(steps):  # decode steps
+                new = await req.alloc(n)
+                assert new.numel() == n
+                slots.append(new)
+                tokens += [5 + i] * n
+            full = torch.cat(slots)
+            write_kv(c, tokens, 0, full)
+            assert await req.commit(tokens, full) == 0
+        await c.wait_idle()
+        check_accounting(c)  # the uncommitted tail went back at the end
+        async with c.request([*tokens, 2]) as other:
+            await other.alloc(1)  # the rest of its page is spare now
+            with pytest.raises(StateError, match="another thread"):
+                await asyncio.to_thread(asyncio.run, other.alloc(1))
+        whole = len(tokens) // PS * PS
+        async with c.request([*tokens, 1]) as again:
+            assert again.cached_tokens == whole
+            assert_kv(c, tokens, again.prefix_indices)
