@@ -43,7 +43,7 @@ from tiercache.errors import (
 )
 from tiercache.memory.allocator import PageAllocator, check_slot_pages, page_ids
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
-from tiercache.storage.base import StorageBackend
+from tiercache.storage.base import BackendState, StorageBackend
 from tiercache.storage.keys import StorageNamespace
 from tiercache.storage_tier import (
     BackupOperation,
@@ -1508,6 +1508,7 @@ class TierController(AsyncResource):
             StateError: a backend is already attached (detach it first).
             ConfigError / BackendNotFoundError / StorageError: the URL or the
                 backend failed to open.
+            BackendUnavailableError: the backend given is closed.
         """
         self._check_open()
         async with self._storage_lock:
@@ -1521,6 +1522,11 @@ class TierController(AsyncResource):
             elif isinstance(backend, StorageBackend):
                 if options:
                     raise InvalidInputError("options are only accepted with a backend URL")
+                if backend.state is BackendState.CLOSED:
+                    # Every call would fail: the fault policy would take it for an outage.
+                    raise BackendUnavailableError(
+                        f"the {backend.name} backend is closed: attach an open one"
+                    )
                 opened = backend
             else:
                 raise InvalidInputError(

@@ -25,7 +25,7 @@ from tiercache import (
     TierController,
 )
 from tiercache.cache import Request
-from tiercache.errors import CapacityError, InvalidInputError, StateError
+from tiercache.errors import BackendUnavailableError, CapacityError, InvalidInputError, StateError
 from tiercache.index.hashing import hash_page
 from tiercache.storage.memory import MemoryBackend
 
@@ -686,3 +686,16 @@ async def test_prompt_and_generated_tokens_commit_from_successive_allocs(steps: 
         async with c.request([*tokens, 1]) as again:
             assert again.cached_tokens == whole
             assert_kv(c, tokens, again.prefix_indices)
+
+
+async def test_attaching_a_closed_backend_is_refused() -> None:
+    """A closed backend was attached as if open: every call then failed, the fault
+    policy took that for an outage and probed it for ever, and nothing said why."""
+    closed = MemoryBackend()
+    await closed.aclose()
+    async with TierCache(config()) as c:
+        with pytest.raises(BackendUnavailableError, match="closed"):
+            await c.attach_storage(closed)
+        assert not c.controller.storage_attached
+        await c.attach_storage(MemoryBackend())  # an open one attaches
+        assert c.controller.storage_attached
