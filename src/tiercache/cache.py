@@ -1590,10 +1590,29 @@ class TierCache(AsyncResource):
         )
         if match is not None:
             self._check_match(match)
-        match = match or self.match_prefix(toks)
+        done, _ = await self._prefetch(
+            ctl, toks, match or self.match_prefix(toks), request_id, policy
+        )
+        return done
+
+    async def _prefetch(
+        self,
+        ctl: TierController,
+        toks: list[int],
+        match: CacheMatch,
+        request_id: object,
+        policy: str,
+    ) -> tuple[int, int]:
+        """`prefetch` once its arguments are checked.
+
+        Returns:
+            The tokens fetched, and of those the ones this prefetch added to
+            the index (the rest were cached meanwhile by another request):
+            its storage hits.
+        """
         n = match.storage_candidate_tokens
         if not ctl.storage_attached or n <= 0 or n < self.config.prefetch_threshold:
-            return 0
+            return 0, 0
         start = match.index.matched_length
         parent = match.index.last_node
         loop = asyncio.get_running_loop()
@@ -1603,7 +1622,7 @@ class TierCache(AsyncResource):
             # This rank cannot take part; with a TP group it still joins the
             # hit-count agreement (with 0), or the other ranks would block in it.
             ctl.abstain_prefetch()
-            return 0
+            return 0, 0
         if not parent.is_root:
             self.index.pin_host(parent)
         wanted = toks[start : start + n]
@@ -1613,7 +1632,7 @@ class TierCache(AsyncResource):
             if not parent.is_root:
                 self.index.unpin_host(parent)
             self._notify_room()
-            return 0
+            return 0, 0
         op.add_done_callback(lambda _op: self._notify_room())  # it freed its unfilled slots
         self._stats.prefetches += 1
         settle = self._settle_prefetch(ctl, op, wanted, parent, match.extra_key, self._flushes)
@@ -1661,8 +1680,10 @@ class TierCache(AsyncResource):
         parent: Node,
         extra_key: str | None,
         flushes: int,
-    ) -> int:
+    ) -> tuple[int, int]:
         """Terminate ``op``, insert what arrived under ``parent``, free the rest.
+
+        Returns ``(fetched, added)`` as `_prefetch` does.
 
         ``flushes``: `_flushes` when ``op`` started. A flush since then has
         dropped ``parent`` and freed every host slot, the fetched ones
@@ -1675,11 +1696,11 @@ class TierCache(AsyncResource):
                 self.index.unpin_host(parent)
                 self._notify_room()
         if done == 0 or self._flushes != flushes:
-            return 0
+            return 0, 0
         got = op.host_indices[:done]
         if self.state is not CacheState.OPEN or (parent.parent is None and not parent.is_root):
             ctl.host_allocator.free(got)  # closing, or the parent was dropped meanwhile
-            return 0
+            return 0, 0
         res = self.index.insert_host(
             toks[:done], got, parent=parent, extra_key=extra_key, page_hashes=hashes
         )
@@ -1688,9 +1709,9 @@ class TierCache(AsyncResource):
             self._notify_room()
         if res.node is not None:
             self.index.mark_backed_up(res.node)
-        # Pages another request cached meanwhile are counted where they were found.
+        # Pages another request cached meanwhile are hits where that request put them.
         self._stats.tokens_storage_hit += done - res.prefix_len
-        return done
+        return done, done - res.prefix_len
 
     async def _wait_policy(
         self, op: PrefetchOperation, policy: str, num_tokens: int, spent: float = 0.0
@@ -1762,14 +1783,16 @@ class TierCache(AsyncResource):
         prefetch: bool,
     ) -> Request:
         """`request` up to the body: prefetch, load back, lock the prefix."""
-        first_device, first_matched = m.device_tokens, m.index.matched_length
+        first_device = m.device_tokens
+        stored = 0  # tokens this request's prefetch added: its storage hits
         if prefetch and m.storage_candidate_tokens:
             # Hold what matched while the prefetch awaits: nothing under it may
             # be evicted meanwhile, so the prefetched pages continue it.
             held = m.index.last_node
             self.index.lock(held)
             try:
-                await self.prefetch(key, m, request_id=request_id)
+                policy = self.config.prefetch_policy
+                _, stored = await self._prefetch(self.controller, key, m, request_id, policy)
             finally:
                 self.index.unlock(held)
                 self._notify_room()
@@ -1786,9 +1809,12 @@ class TierCache(AsyncResource):
                     loads.append(p.handle)
         self._stats.requests += 1
         self._stats.tokens_requested += len(toks)
+        # The prefix: what was on the device when it matched, what its own
+        # prefetch stored, and the rest from host (there then, or put there
+        # meanwhile by a concurrent request's prefetch or commit).
         device_hit = min(first_device, int(prefix.numel()))
         self._stats.tokens_device_hit += device_hit
-        self._stats.tokens_host_hit += max(0, min(int(prefix.numel()), first_matched) - device_hit)
+        self._stats.tokens_host_hit += max(0, int(prefix.numel()) - device_hit - stored)
         return Request(self, toks, extra_key, prefix, loads, node)
 
     # -- flush, stats, waiting ----------------------------------------------------

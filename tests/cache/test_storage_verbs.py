@@ -91,3 +91,37 @@ async def test_a_flush_during_a_prefetch_drops_its_pages_and_it_returns_0(
         backend.disable()
         assert await cache.prefetch(tokens) == 7 * PS  # and the next one keeps its pages
         assert ctl.host_allocator.used == cache.index.total_host_tokens() == 7 * PS
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+async def test_every_cached_token_of_concurrent_requests_is_counted_as_a_hit(policy: str) -> None:
+    """Requests that arrive together for a prompt in storage only each prefetch it;
+    one request's pages land first and the others' are duplicates. Those others
+    counted their cached prefix as no hit at all: 5 requests served 28 cached
+    tokens each, and the stats (and the hit metrics) said 28 in total."""
+    tokens = list(range(1, 29))
+    async with TierCache(config(prefetch_policy=policy, device_tokens=256)) as cache:
+        backend = FaultyBackend(
+            MemoryBackend(),
+            FaultPlan.of(FaultSpec(FaultKind.LATENCY, ops=["get", "exists"], delay=(0.0, 0.02))),
+        )
+        await cache.attach_storage(backend)
+        await put(cache, tokens)
+        await cache.wait_idle()
+        await cache.flush()
+        before = cache.stats()
+
+        async def serve(i: int) -> int:
+            async with cache.request([*tokens, i]) as req:
+                await req.wait_loaded()
+                return req.cached_tokens
+
+        cached = await asyncio.gather(*(serve(i) for i in range(5)))
+        assert cached == [7 * PS] * 5
+        s = cache.stats()
+        hits = {
+            tier: getattr(s, f"tokens_{tier}_hit") - getattr(before, f"tokens_{tier}_hit")
+            for tier in ("device", "host", "storage")
+        }
+        assert hits == {"device": 0, "host": 4 * 7 * PS, "storage": 7 * PS}
+        assert sum(hits.values()) == sum(cached)
