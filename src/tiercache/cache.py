@@ -1413,6 +1413,23 @@ class TierCache(AsyncResource):
         if not self.index.owns(match.index.last_node):
             raise StateError("match comes from another TierCache: match on this one")
 
+    def _check_match_of(self, match: CacheMatch, toks: list[int]) -> None:
+        """Check that ``match`` was taken on ``toks`` (or on a prompt they start with).
+
+        Raises:
+            InvalidInputError: its matched prefix is not that of ``toks``, or
+                its storage part reaches past their end.
+            StateError: its nodes are no longer in the index (match again).
+        """
+        m = match.index
+        prefix = self.index.prefix_tokens(m.last_node)
+        if (
+            len(prefix) != m.matched_length
+            or tuple(toks[: m.matched_length]) != prefix
+            or m.matched_length + match.storage_candidate_tokens > len(toks)
+        ):
+            raise InvalidInputError("match is not a match of these tokens: match them again")
+
     def _check_device_match(self, match: CacheMatch) -> None:
         """Check that the index still holds ``match``'s device prefix in the same slots.
 
@@ -1579,7 +1596,7 @@ class TierCache(AsyncResource):
 
         Raises:
             InvalidInputError: bad tokens, a ``match`` that is not a
-                `CacheMatch`, or an unknown ``policy``.
+                `CacheMatch` of ``tokens``, or an unknown ``policy``.
             StateError: ``match`` names a node no longer in the index, or
                 comes from another `TierCache`.
         """
@@ -1590,6 +1607,7 @@ class TierCache(AsyncResource):
         )
         if match is not None:
             self._check_match(match)
+            self._check_match_of(match, toks)
         done, _ = await self._prefetch(
             ctl, toks, match or self.match_prefix(toks), request_id, policy
         )
@@ -1626,12 +1644,16 @@ class TierCache(AsyncResource):
         if not parent.is_root:
             self.index.pin_host(parent)
         wanted = toks[start : start + n]
-        op = ctl.prefetch(request_id, host, wanted, match.index.prior_hash)
+        op = None
+        try:
+            op = ctl.prefetch(request_id, host, wanted, match.index.prior_hash)
+        finally:
+            if op is None:  # nothing started (or refused): give back what was taken for it
+                ctl.host_allocator.free(host)
+                if not parent.is_root:
+                    self.index.unpin_host(parent)
+                self._notify_room()
         if op is None:
-            ctl.host_allocator.free(host)
-            if not parent.is_root:
-                self.index.unpin_host(parent)
-            self._notify_room()
             return 0, 0
         op.add_done_callback(lambda _op: self._notify_room())  # it freed its unfilled slots
         self._stats.prefetches += 1

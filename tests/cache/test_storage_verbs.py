@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tiercache import TierCache, TierCacheConfig
+from tiercache.errors import InvalidInputError
 from tiercache.storage.faults import FaultKind, FaultPlan, FaultSpec, FaultyBackend
 from tiercache.storage.memory import MemoryBackend
 
@@ -125,3 +126,29 @@ async def test_every_cached_token_of_concurrent_requests_is_counted_as_a_hit(pol
         }
         assert hits == {"device": 0, "host": 4 * 7 * PS, "storage": 7 * PS}
         assert sum(hits.values()) == sum(cached)
+
+
+async def test_a_prefetch_with_a_match_of_other_tokens_is_refused_and_holds_nothing() -> None:
+    """A match taken on a longer prompt passed with fewer tokens: the cache took
+    host room for the match's storage part and pinned its node, then the
+    controller refused the call (fewer tokens than slots) and both stayed held
+    for good: 20 host slots gone and a node that could never leave the host."""
+    tokens = list(range(1, 30))
+    async with TierCache(config(prefetch_policy="wait_complete")) as cache:
+        await cache.attach_storage(MemoryBackend())
+        await put(cache, tokens[:8])
+        await put(cache, tokens)
+        await cache.wait_idle()
+        await cache.flush()
+        await put(cache, tokens[:8])  # a cached node, then storage only
+        await cache.wait_idle()
+        match = cache.match_prefix(tokens)
+        assert (match.device_tokens, match.storage_candidate_tokens) == (8, 20)
+        ctl = cache.controller
+        before = ctl.host_allocator.used
+        for other in (tokens[:13], [9, *tokens[1:]], list(range(50, 80))):
+            with pytest.raises(InvalidInputError, match="not a match of these tokens"):
+                await cache.prefetch(other, match)
+        assert ctl.host_allocator.used == before == cache.index.total_host_tokens()
+        assert not any(n.host_pin or n.lock_ref for n in cache.index.nodes())
+        assert await cache.prefetch(tokens, match) == 20  # the right call still works
