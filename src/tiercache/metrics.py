@@ -25,7 +25,9 @@ name                                        type       meaning
 ``requests_total``                          counter    prefix lookups (requests) served
 ``requested_tokens_total``                  counter    prompt tokens looked up
 ``hit_tokens_total{tier}``                  counter    tokens found on ``device``/``host``/``storage``
-``miss_tokens_total{tier}``                 counter    tokens that reached ``tier`` and were not there
+``miss_tokens_total{tier}``                 counter    requested tokens found on no tier down to
+                                                       ``tier`` (``storage``: the tokens computed,
+                                                       a backend attached or not)
 ``loaded_tokens_total{tier}``               counter    tokens copied out of ``tier`` one tier up
                                                        (``host``: host to device; ``storage``:
                                                        storage to host)
@@ -213,9 +215,7 @@ def _lookup_families(make: _FamilyMaker, s: Any) -> Iterator[Metric]:
             c.add_metric(make.values, _num(getattr(s, field, 0)))
         yield c
     hit = make.counter("hit_tokens", "Prompt tokens found on each tier.", ["tier"])
-    miss = make.counter(
-        "miss_tokens", "Prompt tokens that reached a tier and were not on it.", ["tier"]
-    )
+    miss = make.counter("miss_tokens", "Prompt tokens found on no tier down to this one.", ["tier"])
     if s is not None:
         # A token that misses a tier goes on to the next: what is left after each.
         remaining = _num(s.tokens_requested)
