@@ -1034,6 +1034,9 @@ class TierCache(AsyncResource):
         ``ready`` (CUDA): the producer of that KV, as `TierController.submit_write`
         takes it (default: the caller's current stream, recorded at this call).
 
+        The index keeps a copy of ``device_indices``: the caller may reuse
+        its tensor at once (what every verb returns is a new tensor too).
+
         Whole pages only: a trailing partial page is not inserted and its
         slots stay the caller's. Slots of the part already cached are freed
         here (unless they are the index's own: a request committing its

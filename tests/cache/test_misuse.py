@@ -699,3 +699,36 @@ async def test_attaching_a_closed_backend_is_refused() -> None:
         assert not c.controller.storage_attached
         await c.attach_storage(MemoryBackend())  # an open one attaches
         assert c.controller.storage_attached
+
+
+async def test_the_index_never_shares_a_slot_tensor_with_its_caller() -> None:
+    """insert and commit kept the caller's slot tensor as the node's, and
+    match_prefix / prefix_indices handed the node's own tensor out: an engine
+    that reused its index buffer (as one does with a per-request slot table)
+    moved the index onto other slots, and served their KV as this prompt's."""
+    P = list(range(400, 432))
+    Q = list(range(500, 532))
+    async with TierCache(config(write_policy="write_back")) as c:
+        slots = await c.alloc_device(32)
+        write_kv(c, P, 0, slots)
+        await c.insert(P, slots)
+        slots.fill_(0)  # the caller's buffer, reused
+        async with c.request([*Q, 1]) as req:
+            new = await req.alloc(33)
+            write_kv(c, [*Q, 1], 0, new)
+            full = torch.cat([req.prefix_indices, new])
+            await req.commit([*Q, 1], full)
+            full.fill_(0)
+            new.fill_(0)
+        for tokens in (P, Q):
+            m = c.match_prefix(tokens)
+            assert m.device_tokens == 32
+            assert_kv(c, tokens, m.device_indices)
+            m.device_indices.fill_(0)  # what a match returns is the caller's too
+            async with c.request([*tokens, 2]) as again:
+                assert_kv(c, tokens, again.prefix_indices)
+                again.prefix_indices.fill_(0)
+        await c.wait_idle()
+        check_accounting(c)
+        for tokens in (P, Q):
+            assert await serve(c, [*tokens, 3]) == 32

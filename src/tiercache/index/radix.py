@@ -176,7 +176,8 @@ class MatchResult:
 
     Attributes:
         device_indices: the device slots of the device-resident prefix, in
-            token order (CPU ``int64``; empty when nothing is on the device).
+            token order (CPU ``int64``; empty when nothing is on the device);
+            a new tensor, the caller's to keep or overwrite.
         last_device_node: the deepest node of that prefix (a root when empty).
             Lock it to keep the prefix on the device.
         host_hit_length: tokens right after the device prefix that are on the
@@ -421,10 +422,12 @@ class RadixIndex:
             else:
                 on_host = False
         last = path[-1] if path else root
+        # A new tensor, never a node's own: a caller that writes into it (an
+        # engine reusing its index buffer) must not move the index's KV.
         if len(dev) == 1:
-            device_indices = dev[0]
+            device_indices = dev[0].clone()
         else:
-            device_indices = torch.cat(dev) if dev else _EMPTY
+            device_indices = torch.cat(dev) if dev else _EMPTY.clone()
         return MatchResult(
             device_indices=device_indices,
             last_device_node=last_device,
@@ -1188,7 +1191,8 @@ class RadixIndex:
             )
         if indices.numel() != n:
             raise InvalidInputError(f"{what} has {indices.numel()} slots for {n} tokens")
-        return indices.cpu() if indices.device.type != "cpu" else indices
+        # The index keeps its own copy: the caller may reuse its tensor at once.
+        return indices.cpu() if indices.device.type != "cpu" else indices.clone()
 
     def __repr__(self) -> str:
         return (
