@@ -491,6 +491,16 @@ class _HostSlots:
             failed(tier)
 
 
+def _own(given: object, checked: tuple[torch.Tensor, _Pages]) -> tuple[torch.Tensor, _Pages]:
+    """Checked slots (and their pages) that are not the caller's tensor ``given``.
+
+    A queued copy reads its slots when it runs, and its ack hands them out:
+    a caller that reuses its index tensor after the call must change neither.
+    """
+    slots, pages = checked
+    return (slots.clone() if slots is given else slots), pages
+
+
 def _allocator(given: object, num_slots: int, page_size: int, pool: str) -> PageAllocator:
     """The allocator given for a pool (checked to be one), or a new one over its slots."""
     if given is None:
@@ -898,8 +908,11 @@ class TierController(AsyncResource):
             ClosedError / StateError: not open.
         """
         self._check_open()
-        dev = check_slot_pages(
-            device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
+        dev = _own(
+            device_indices,
+            check_slot_pages(
+                device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
+            ),
         )
         if not self.device_allocator.pages_allocated(dev[1]):
             raise InvalidInputError("device_indices include slots that are not allocated")
@@ -1021,8 +1034,11 @@ class TierController(AsyncResource):
             ClosedError / StateError: not open.
         """
         self._check_open()
-        host = check_slot_pages(
-            host_indices, self.layout.page_size, self.host_pool.num_slots, "host_indices"
+        host = _own(
+            host_indices,
+            check_slot_pages(
+                host_indices, self.layout.page_size, self.host_pool.num_slots, "host_indices"
+            ),
         )
         if not self.host_allocator.pages_allocated(host[1]):
             raise InvalidInputError("host_indices include slots that are not allocated")

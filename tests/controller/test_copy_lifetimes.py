@@ -364,3 +364,31 @@ async def test_a_small_load_waiting_for_a_backup_does_not_run_on_the_loop() -> N
         assert max(gaps) < 0.2, f"the loop stalled {max(gaps):.3f} s"
         for got, want in zip(kv(c, dst), expect, strict=True):
             assert torch.equal(got, want)
+
+
+async def test_a_queued_copy_uses_the_slots_given_not_a_reused_index_tensor() -> None:
+    """submit_write and submit_load kept the caller's index tensor in the queued
+    copy (and its ack), and read it when the copy ran: a caller that reused its
+    tensor for the next batch before then backed up, or loaded, other slots."""
+    async with make() as c:
+        dev = c.device_allocator.alloc(2 * PS)
+        assert dev is not None
+        want = kv(c, dev[:PS])
+        given = dev[:PS].clone()
+        ack = c.submit_write(given)
+        assert ack is not None
+        given.copy_(dev[PS:])  # reused before the queued write starts
+        await ack
+        assert torch.equal(ack.device_indices, dev[:PS])
+        assert all(map(torch.equal, host_kv(c, ack.host_indices), want))
+        host = ack.host_indices.clone()
+        other = await c.backup(dev[PS:])
+        assert other is not None
+        load = c.submit_load(host)
+        assert load is not None
+        host.copy_(other)  # reused before the load starts
+        handle = c.start_loading()
+        assert handle is not None
+        await handle
+        assert torch.equal(load.host_indices, ack.host_indices)
+        assert all(map(torch.equal, kv(c, load.device_indices), want))
