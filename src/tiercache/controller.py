@@ -1631,6 +1631,7 @@ class TierController(AsyncResource):
         )
         if self.storage is None:
             return None
+        host = host.clone() if host is host_indices else host  # it fills them later
         return self.storage.prefetch(request_id, host, tokens, last_hash, checked=True)
 
     def abstain_prefetch(self) -> None:
@@ -1706,12 +1707,14 @@ class TierController(AsyncResource):
         )
         if self.storage is None:
             return None
+        # It reads them batch by batch, later: the caller may reuse its own at once.
+        host = host.clone() if host is host_indices else host
         return self.storage.write_storage(
             host,
             tokens,
             hash_value,
             node_id=node_id,
-            hash_values=hash_values,
+            hash_values=None if hash_values is None else list(hash_values),
             track=track,
             checked=True,
         )

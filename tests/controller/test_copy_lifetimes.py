@@ -392,3 +392,38 @@ async def test_a_queued_copy_uses_the_slots_given_not_a_reused_index_tensor() ->
         await handle
         assert torch.equal(load.host_indices, ack.host_indices)
         assert all(map(torch.equal, kv(c, load.device_indices), want))
+
+
+async def test_storage_verbs_use_the_slots_given_not_a_reused_index_tensor() -> None:
+    """write_storage read the caller's host index tensor batch by batch, later:
+    reused at once, it stored another page's KV under these tokens' key, for
+    every instance sharing the store. A prefetch fills its slots later too."""
+    from tiercache.index.hashing import page_hashes
+    from tiercache.storage.memory import MemoryBackend
+    from tiercache.storage_tier import StorageTierConfig
+
+    async with make(storage_config=StorageTierConfig(prefetch_threshold=PS)) as c:
+        await c.attach_storage_backend(MemoryBackend())
+        dev = c.device_allocator.alloc(2 * PS)
+        assert dev is not None
+        host = await c.backup(dev)
+        assert host is not None
+        want = host_kv(c, host[:PS])
+        given = host[:PS].clone()
+        hashes = page_hashes(list(range(PS)), PS)
+        op = c.write_storage(given, list(range(PS)), hash_values=hashes)
+        assert op is not None
+        given.copy_(host[PS:])  # reused before the backup reads it
+        hashes[0] = "cd" * 32
+        await op.wait()
+        assert op.succeeded
+        into = c.host_allocator.alloc(2 * PS)
+        assert into is not None
+        target = into[:PS].clone()
+        fetch = c.prefetch("r", target, list(range(PS)))
+        assert fetch is not None
+        target.copy_(into[PS:])  # reused before the pages land
+        await fetch.wait()
+        done, _ = await c.terminate_prefetch(fetch)
+        assert done == PS
+        assert all(map(torch.equal, host_kv(c, into[:PS]), want))
