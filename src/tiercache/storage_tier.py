@@ -59,7 +59,7 @@ from tiercache.errors import (
     StorageError,
     StorageTimeoutError,
 )
-from tiercache.index.hashing import page_hashes
+from tiercache.index.hashing import INLINE_HASH_PAGES, page_hashes
 from tiercache.memory.allocator import PageAllocator, check_slot_indices
 from tiercache.memory.pools import HostKVPool
 from tiercache.observe import observe
@@ -79,9 +79,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-#: Pages hashed inline on the loop; longer prompts are hashed in a worker thread.
-_INLINE_HASH_PAGES = 64
 
 
 def _observe_call(what: str, task: asyncio.Future[Any], seconds: float) -> None:
@@ -776,7 +773,7 @@ class StorageTier:
 
     async def _hashes(self, token_ids: Sequence[int], prior: str | None) -> list[str]:
         n_pages = len(token_ids) // self.page_size
-        if n_pages <= _INLINE_HASH_PAGES:
+        if n_pages <= INLINE_HASH_PAGES:
             return page_hashes(token_ids, self.page_size, prior)
         job = self._loop.run_in_executor(None, page_hashes, token_ids, self.page_size, prior)
         return await finish(job)

@@ -33,9 +33,13 @@ import numpy as np
 from tiercache._checks import check_positive, token_array
 from tiercache.errors import InvalidInputError
 
-__all__ = ["hash_page", "pack_tokens", "page_hashes"]
+__all__ = ["INLINE_HASH_PAGES", "hash_page", "pack_tokens", "page_hashes"]
 
 _LITTLE = sys.byteorder == "little"
+
+#: Pages a caller on an event loop hashes there; it hashes longer prompts in a
+#: worker thread (a thread hop costs about what hashing this many pages does).
+INLINE_HASH_PAGES = 64
 
 
 def pack_tokens(token_ids: object) -> bytes:

@@ -50,9 +50,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiercache._checks import check_count, check_extra_key, check_int, is_int
+from tiercache._checks import check_count, check_extra_key, check_int, is_int, token_list
 from tiercache.errors import InvalidInputError, StateError
-from tiercache.index.hashing import pack_tokens
 from tiercache.index.hashing import page_hashes as _chain_hashes
 
 __all__ = [
@@ -375,6 +374,7 @@ class RadixIndex:
         extra_key: str | None = None,
         *,
         touch: bool = True,
+        checked: bool = False,
     ) -> MatchResult:
         """The longest cached prefix of ``tokens``, page by page.
 
@@ -390,6 +390,9 @@ class RadixIndex:
             touch: update ``last_access`` and ``hit_count`` of the matched
                 nodes; pass ``False`` for a pure query that must not change
                 the LRU order.
+            checked: ``tokens`` is a list or tuple of ids the caller already
+                checked with `tiercache._checks.token_list` (a facade holding
+                a long prompt): skip that pass.
 
         Returns:
             A `MatchResult`. O(len(tokens) + depth).
@@ -398,7 +401,7 @@ class RadixIndex:
             InvalidInputError: ``tokens`` is not a sequence of ints, or
                 ``extra_key`` is not a str or ``None``.
         """
-        key = self._as_key(tokens)
+        key = self._as_key(tokens, checked)
         root = self._namespace_root(extra_key)
         path = self._walk(root, key)
         now = self.clock() if touch else 0.0
@@ -510,6 +513,9 @@ class RadixIndex:
         tokens: Sequence[int] | torch.Tensor,
         device_indices: torch.Tensor,
         extra_key: str | None = None,
+        *,
+        checked: bool = False,
+        chain: Sequence[str] | None = None,
     ) -> InsertResult:
         """Record freshly computed KV of ``tokens`` held in ``device_indices``.
 
@@ -529,23 +535,34 @@ class RadixIndex:
             device_indices: CPU ``int64``, one slot per token (a tensor on
                 another device is copied to the CPU).
             extra_key: the namespace.
+            checked: ``tokens`` is a list or tuple of ids the caller already
+                checked with `tiercache._checks.token_list` (a facade holding
+                a long prompt): skip that pass.
+            chain: the hash of every page of ``tokens``, chained from the
+                namespace's root (``page_hashes(tokens, page_size,
+                extra_key_prior(extra_key))``), hashed by the caller (off
+                its event loop, for a long prompt); the new node takes its
+                pages' from it. Trusted: only its length is checked here
+                (`check_invariants` recomputes them). ``None``: hashed here.
 
         Raises:
             InvalidInputError: not whole pages, lengths differ, bad indices,
                 token ids outside ``[0, 2**32)`` or a bad ``extra_key``.
         """
-        key = self._as_key(tokens)
+        key = self._as_key(tokens, checked)
         self._check_pages(len(key), "tokens")
-        pack_tokens(key)  # token range check before anything changes
         dev = self._as_indices(device_indices, len(key), "device_indices")
         root = self._namespace_root(extra_key)
         path = self._walk(root, key)
         pos = sum(len(n.key) for n in path)
-        new_hashes = (
-            _chain_hashes(key[pos:], self.page_size, self._prior_of(path[-1] if path else root))
-            if pos < len(key)
-            else []
-        )
+        hashes = self._given_hashes(chain, len(key) // self.page_size)
+        if hashes is not None:
+            new_hashes = hashes[pos // self.page_size :]
+        elif pos < len(key):
+            last = path[-1] if path else root
+            new_hashes = _chain_hashes(key[pos:], self.page_size, self._prior_of(last))
+        else:
+            new_hashes = []
         # Nothing can fail past this point.
         now = self.clock()
         dup = 0
@@ -575,6 +592,7 @@ class RadixIndex:
         parent: Node | None = None,
         extra_key: str | None = None,
         page_hashes: Sequence[str] | None = None,
+        checked: bool = False,
     ) -> InsertResult:
         """Record pages that arrived in host slots (a storage prefetch) under ``parent``.
 
@@ -595,15 +613,17 @@ class RadixIndex:
                 hash (what the prefetch fetched by); computed when ``None``.
                 They are trusted (only their count is checked here;
                 `check_invariants` recomputes them).
+            checked: ``tokens`` is a list or tuple of ids the caller already
+                checked with `tiercache._checks.token_list` (a facade holding
+                a long prompt): skip that pass.
 
         Raises:
             InvalidInputError: not whole pages, lengths differ, bad indices or
                 a wrong number of hashes.
             StateError: ``parent`` is no longer in the index (evicted or reset).
         """
-        key = self._as_key(tokens)
+        key = self._as_key(tokens, checked)
         self._check_pages(len(key), "tokens")
-        pack_tokens(key)  # token range check before anything changes
         host = self._as_indices(host_indices, len(key), "host_indices")
         start = self._continued_node(parent, extra_key)
         hashes = self._given_hashes(page_hashes, len(key) // self.page_size)
@@ -1159,27 +1179,16 @@ class RadixIndex:
         check_count(num_tokens, "num_tokens")
 
     @staticmethod
-    def _as_key(tokens: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
-        if isinstance(tokens, tuple):
-            key = tokens
-        elif isinstance(tokens, torch.Tensor):
-            if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-                raise InvalidInputError(
-                    f"tokens must be a 1-D integer tensor, got {tokens.dtype} {tuple(tokens.shape)}"
-                )
-            return tuple(tokens.tolist())
-        elif hasattr(tokens, "tolist") and not isinstance(tokens, list):
-            key = tuple(tokens.tolist())
-        else:
-            try:
-                key = tuple(tokens)
-            except TypeError as e:
-                raise InvalidInputError(f"tokens must be a sequence of ints: {e}") from e
-        if not all(type(t) is int for t in key):
-            if not all(is_int(t) for t in key):
-                raise InvalidInputError("tokens must be ints")
-            key = tuple(int(t) for t in key)
-        return key
+    def _as_key(tokens: Sequence[int] | torch.Tensor, checked: bool = False) -> tuple[int, ...]:
+        """``tokens`` as a tuple of ints, every id checked in C (`token_array`).
+
+        A Python pass over a long prompt's ids would hold the loop for
+        milliseconds (about 18 ms at 128k tokens); this costs about one and a
+        half. A list or tuple keeps its own id objects (see `token_list`).
+        """
+        if checked:
+            return tuple(tokens)
+        return tuple(token_list(tokens, "tokens"))
 
     @staticmethod
     def _as_indices(indices: torch.Tensor, n: int, what: str) -> torch.Tensor:
