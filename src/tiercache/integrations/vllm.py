@@ -34,7 +34,8 @@ on that loop. No call from vLLM waits for storage:
   `get_finished_jobs` collects the batches that completed, as vLLM's
   `JobResult`.
 - Only construction (opening the backend), `drain_jobs` and `shutdown` wait,
-  each within a timeout.
+  each within a timeout, except that `drain_jobs` also waits out a job stuck
+  in I/O that cannot be interrupted (vLLM reuses the region's slots next).
 
 **Zero copy.** A block is the row ``chunk_id`` of the primary region's
 memoryview that vLLM hands over; a store writes that slice out and a load reads
@@ -674,20 +675,36 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
     def drain_jobs(self) -> None:
         """Wait until every submitted store and load has ended.
 
-        Each job ends within ``timeout_s`` (a storage call past it fails), so
-        this waits at most a little longer than that. Results stay queued for
+        vLLM reuses its region's slots once this returns (``reset_cache``), so
+        it returns only when no job touches the region any more. Each job ends
+        within ``timeout_s`` (a storage call past it is cancelled), except one
+        stuck inside a read or write that cannot be interrupted (a hung file
+        system): it is waited for, with an error logged every ``timeout_s`` +
+        5 s, as vLLM asks of a stuck tier. Results stay queued for
         `get_finished_jobs`.
         """
-        futures = [job.future for job in self._jobs.values()]
-        if not futures:
-            return
-        _, not_done = concurrent.futures.wait(futures, timeout=self._timeout_s + 5.0)
-        if not_done:
+        pending = [job.future for job in self._jobs.values()]
+        step = self._timeout_s + 5.0
+        waited = 0.0
+        while pending:
+            _, not_done = concurrent.futures.wait(pending, timeout=step)
+            pending = list(not_done)
+            if not pending:
+                return
+            waited += step
+            if not self._loop.is_alive():  # nothing can end them any more
+                logger.error(
+                    "tiercache tier %r: %d jobs left with the tier's thread gone",
+                    self.tier_type,
+                    len(pending),
+                )
+                return
             logger.error(
-                "tiercache tier %r: %d jobs still running after %g s",
+                "tiercache tier %r: %d jobs still running after %g s, stuck in storage I/O "
+                "into vLLM's region: waiting for them",
                 self.tier_type,
-                len(not_done),
-                self._timeout_s + 5.0,
+                len(pending),
+                waited,
             )
 
     def shutdown(self) -> None:

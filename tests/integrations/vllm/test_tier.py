@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.integrations.stuck_io import StuckReads
 from tests.integrations.vllm.engine import require_vllm
 
 require_vllm()
@@ -555,3 +556,30 @@ def test_backend_killed_mid_load_fails_the_job_and_the_tier_recovers(
     ctx = b.request()
     assert names(b.lookup_until_settled(fresh, ctx))[-1] == ["HIT"] * 3
     assert b.load(fresh, ctx, BLOCK) == data
+
+
+def test_drain_jobs_waits_for_a_load_stuck_in_the_file_system(
+    tmp_path: Path, instances: list[Instance], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # vLLM's contract: once drain_jobs returns, no tier I/O touches the
+    # primary region (reset_cache then reuses its slots). A read stuck in the
+    # kernel outlives the tier's deadline; drain_jobs must wait for it.
+    a = Instance([tier_config(f"file://{tmp_path}")])
+    instances.append(a)
+    keys, data = make_keys(2), payloads(2, BLOCK)
+    a.store(keys, data)
+
+    stuck = StuckReads(monkeypatch, hold_s=30)
+    b = Instance([tier_config(f"file://{tmp_path}", timeout_s=0.5)])
+    instances.append(b)
+    ctx = b.request()
+    deadline = time.monotonic() + 10
+    while not stuck.started.is_set():  # lookups, then the promotion's load
+        assert time.monotonic() < deadline
+        [b.manager.lookup(k, ctx) for k in keys]
+        b.step()
+        time.sleep(0.01)
+    stuck.release_after(7.0)  # past the tier's deadline and drain_jobs' old bound
+    b.manager.reset_cache()  # drain_jobs, then vLLM asserts no job is left
+    assert stuck.running == 0
+    assert not b.manager.has_pending_work()
