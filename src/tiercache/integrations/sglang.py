@@ -57,7 +57,11 @@ and the reverse.
 **Threads.** SGLang calls the backend synchronously from its prefetch,
 prefetch-IO and backup threads. The tiercache backend lives on an event loop
 (uvloop) in a daemon thread owned by this object; every call is submitted with
-``run_coroutine_threadsafe`` and bounded by ``timeout_s``. Any failure inside
+``run_coroutine_threadsafe`` and bounded by ``timeout_s``, except that a read
+or write of SGLang's host pages stuck where it cannot be interrupted (a hung
+file system) holds its call until it ends: SGLang frees and reuses the pages
+of a call that missed, so none returns while storage may still write into
+them (an error is logged meanwhile). Any failure inside
 tiercache (an error, a timeout, a corrupt page, a closed backend) is a miss or a
 failed write for SGLang, never an exception in its threads. `close` drains the
 loop and stops the thread; SGLang calls it when the backend is detached.
@@ -72,6 +76,7 @@ same bytes, so pages written by one are read by the other.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -475,17 +480,25 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
             for k, v in deltas.items():
                 setattr(self.stats_, k, getattr(self.stats_, k) + v)
 
-    def _call(self, what: str, coro: Coroutine[Any, Any, T], default: T) -> T:
+    def _call(
+        self, what: str, coro: Coroutine[Any, Any, T], default: T, *, in_place: bool = False
+    ) -> T:
         """Run ``coro`` on the loop under the deadline; any failure logs and returns ``default``.
 
-        Called from SGLang's threads.
+        Called from SGLang's threads. With ``in_place`` (``coro`` reads or
+        writes SGLang's pages) the call returns only once ``coro`` has
+        settled: past the deadline it is cancelled, and a read or write stuck
+        where it cannot be interrupted (a hung file system) is waited for,
+        since SGLang frees and reuses the pages of a call that missed.
         """
         if self._down:
             coro.close()
             self._count(skipped_while_down=1)
             return default
         try:
-            return self._loop.run(self._guarded(what, coro), self.options.timeout_s + _GRACE_S)
+            if not in_place:
+                return self._loop.run(self._guarded(what, coro), self.options.timeout_s + _GRACE_S)
+            return self._settled(what, self._loop.submit(self._guarded(what, coro)))
         except (_Skipped, ClosedError):
             self._count(skipped_while_down=1)
         except Exception as e:
@@ -501,6 +514,25 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 self._count(errors=1)
                 logger.warning("tiercache %s failed, treated as a miss: %r", what, e)
         return default
+
+    def _settled(self, what: str, fut: concurrent.futures.Future[T]) -> T:
+        """``fut``'s result, waited for until it settles (or the loop thread is gone)."""
+        step = self.options.timeout_s + _GRACE_S
+        waited = 0.0
+        while True:
+            try:
+                return fut.result(step)
+            except concurrent.futures.TimeoutError:
+                waited += step
+                if not self._loop.is_alive():
+                    fut.cancel()
+                    raise StorageTimeoutError(f"{what}: the loop thread is gone") from None
+                logger.error(
+                    "tiercache %s still running after %g s, stuck in storage I/O on SGLang's "
+                    "host pages: waiting for it",
+                    what,
+                    waited,
+                )
 
     async def _guarded(self, what: str, coro: Coroutine[Any, Any, T]) -> T:
         """On the loop: the call under ``timeout_s``, counted for the fault policy."""
@@ -612,7 +644,11 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _read(self, keys: list[str], build: Any) -> list[bool]:
         args = self._prepare("batch_get", lambda: (self.namespace.keys(keys), build()))
         miss = [False] * len(keys)
-        got = miss if args is None else self._call("batch_get", self.backend.batch_get(*args), miss)
+        got = (
+            miss
+            if args is None
+            else self._call("batch_get", self.backend.batch_get(*args), miss, in_place=True)
+        )
         self._count(get_pages=len(keys), get_hits=sum(got))
         return got
 
@@ -623,7 +659,9 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
         args = self._prepare("batch_set", lambda: (self.namespace.keys(keys), build()))
         fail = [False] * len(keys)
         done = (
-            fail if args is None else self._call("batch_set", self.backend.batch_set(*args), fail)
+            fail
+            if args is None
+            else self._call("batch_set", self.backend.batch_set(*args), fail, in_place=True)
         )
         self._count(set_pages=len(keys), set_stored=sum(done))
         return done

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from tests.integrations.sglang import sglang_helpers as h
+from tests.integrations.stuck_io import StuckReads
 
 pytestmark = pytest.mark.sglang
 
@@ -131,3 +132,30 @@ def test_a_call_that_close_cuts_short_is_not_an_error(faults: str) -> None:
     finally:
         b.close()
         caller.join(10)
+
+
+def test_a_read_stuck_in_the_file_system_holds_the_call_until_it_lands(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SGLang frees and reuses the host slots of a prefetch that missed. A read
+    # stuck in the kernel outlives the deadline; the call must not return
+    # while it can still write into those slots.
+    host = _host()
+    b = _backend(f"file://{tmp_path}", host, timeout_s=0.3, fault_policy="none")
+    keys = h.chain(list(range(16)), 4)
+    try:
+        assert b.batch_set_v1(keys, torch.arange(16)) == [True] * 4
+        stuck = StuckReads(monkeypatch, hold_s=30)
+        stuck.release_after(7.0)  # past the deadline and the old grace
+        target = torch.arange(32, 48)
+        assert b.batch_get_v1(keys, target) == [False] * 4  # a miss: past the deadline
+        assert stuck.running == 0
+        # SGLang reuses the slots for another request's KV.
+        host.kv_buffer[:, 32:48].zero_()
+        stuck.gate.set()
+        _wait(lambda: stuck.running == 0)
+        time.sleep(0.1)
+        assert not host.kv_buffer[:, 32:48].any()
+        assert b.stats()["timeouts"] == 1
+    finally:
+        b.close()
