@@ -36,7 +36,9 @@ unknown key or a bad value raises `ConfigError` naming the key:
   SGLang passes (set it to share pages with a `TierCache` under another name).
 - ``metrics_port`` (int): serve Prometheus metrics of the storage backend
   (`tiercache.metrics`, labelled ``engine="sglang"`` and ``tp_rank``) on
-  ``metrics_port + tp_rank`` (``0``: any free port, in ``metrics.port``);
+  ``metrics_port + rank``, the process's rank in SGLang's ``torch.distributed``
+  world (the TP rank with one pipeline stage and no DP attention, where
+  ``tp_rank`` repeats across processes) (``0``: any free port, in ``metrics.port``);
   ``metrics_addr`` is the address it binds (``0.0.0.0``). In Python,
   ``metrics_registry`` (a ``prometheus_client.CollectorRegistry``) registers
   the collector there instead of in a registry of the backend's own. Both
@@ -134,6 +136,20 @@ SUPPORTED_LAYOUTS = ("layer_first", "page_first")
 
 def _option(name: str) -> str:
     return f"extra_config[{name!r}]"
+
+
+def _process_rank(tp_rank: int) -> int:
+    """This process's rank in SGLang's ``torch.distributed`` world (``tp_rank`` in a world of one).
+
+    SGLang's ``tp_rank`` is not unique on a host: with DP attention it is the
+    rank within the attention TP group, and pipeline stages repeat it. Each
+    of SGLang's processes holds its own rank of the default process group.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return int(dist.get_rank())
+    return tp_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,7 +429,7 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
                     self.options.metrics,
                     self._loop,
                     labels={"engine": "sglang", "tp_rank": str(self.tp_rank)},
-                    rank=self.tp_rank,
+                    rank=_process_rank(self.tp_rank),
                     option=_option,
                 )
                 self.metrics.attach(self.backend)

@@ -166,3 +166,37 @@ def test_a_rank_port_past_65535_is_refused_and_leaves_no_thread(file_store: str)
     with pytest.raises(ConfigError, match=r"metrics_port'\] 65535 \+ rank 1 is past port 65535"):
         _backend(host, url=file_store, tp_rank=1, tp_size=2, metrics_port=65535)
     assert set(threading.enumerate()) - before == set()
+
+
+def test_dp_attention_ranks_on_one_host_get_a_port_each(
+    file_store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With --enable-dp-attention SGLang gives the backend the rank within the
+    # attention TP group: with --tp 2 --dp 2 both processes pass tp_rank 0
+    # (dp_rank 0 and 1). Their processes are ranks 0 and 1 of SGLang's world.
+    import torch.distributed as dist
+
+    g = h.Geometry()
+    port = _free_port_pair()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    made = []
+    try:
+        for rank in (0, 1):
+            monkeypatch.setattr(dist, "get_rank", lambda group=None, r=rank: r)
+            host = h.host_pool(g, h.device_pool(g))
+            config = h.storage_config(
+                extra_config=h.extra(file_store, metrics_port=port, metrics_addr="127.0.0.1"),
+                model_name="m",
+                tp_rank=0,
+                tp_size=1,
+                dp_rank=rank,
+            )
+            backend = h.sg().StorageBackendFactory.create_backend("dynamic", config, host)
+            made.append(backend)
+            backend.register_mem_pool_host(host)
+        assert [b.metrics.port for b in made] == [port, port + 1]
+        assert scrape(port + 1)
+    finally:
+        for b in made:
+            b.close()
