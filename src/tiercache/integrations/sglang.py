@@ -733,20 +733,23 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """
         if not keys:
             return []
-        if target_locations is None:
-            if self._pool is None:
-                return [None] * len(keys)
-            targets = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-        else:
-            targets = list(target_locations)
+        targets: list[Any] = []
 
         def build() -> list[PageBuffer]:
+            if target_locations is None:
+                if self._pool is None:
+                    raise InvalidInputError("no host pool registered yet")
+                targets.extend(self.mem_pool_host.get_dummy_flat_data_page() for _ in keys)
+            else:
+                targets.extend(target_locations)
             if len(targets) != len(keys):
                 raise InvalidInputError(f"{len(targets)} target pages for {len(keys)} keys")
             return [self._flat_page(t) for t in targets]
 
         got = self._read(keys, build)
-        return [t if ok else None for t, ok in zip(targets, got, strict=False)]
+        if len(targets) != len(keys):  # refused: no page tensors to hand back
+            return [None] * len(keys)
+        return [t if ok else None for t, ok in zip(targets, got, strict=True)]
 
     def batch_set(
         self,

@@ -141,7 +141,8 @@ def test_a_page_tensor_of_the_wrong_size_is_a_failed_write_not_an_exception(
     try:
         assert b.batch_set(_keys(1), [torch.zeros(3)]) is False
         assert b.batch_get_v1(_keys(2), torch.arange(3)) == [False, False]  # too few slots
-        assert b.stats()["errors"] == 2
+        assert b.batch_get(_keys(2), 5) == [None, None]  # no page tensors at all
+        assert b.stats()["errors"] == 3
     finally:
         b.close()
 
