@@ -48,3 +48,20 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def free_port_pair() -> int:
+    """A port ``p`` with ``p`` and ``p + 1`` free on loopback (two ranks or replicas)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            if p >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", p + 1))
+                except OSError:
+                    continue
+        return int(p)
+    raise RuntimeError("no two adjacent free ports")

@@ -194,6 +194,16 @@ def vllm_identity(offloading_spec: Any, block_bytes: int) -> dict[str, Any]:
     return identity
 
 
+def _dp_index(offloading_spec: Any) -> int:
+    """The data-parallel replica of this tier's scheduler (0 without data parallelism).
+
+    Each replica runs its own scheduler, so its own tier: the metrics port is
+    offset by it, as SGLang's is by the process rank.
+    """
+    index = getattr(getattr(offloading_spec.config, "parallel", None), "data_parallel_index", 0)
+    return int(index or 0)
+
+
 @dataclass(slots=True)
 class _Probe:
     """One key's existence verdict: ``None`` while the query runs."""
@@ -250,8 +260,10 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
             successful store (when vLLM has KV events enabled).
         metrics_port: serve Prometheus metrics of the storage backend
             (`tiercache.metrics`, labelled ``engine="vllm"`` and
-            ``tier=<tier_type>``) on this port (``0``: any free port, in
-            ``metrics.port``); needs ``tiercache[metrics]``.
+            ``tier=<tier_type>``) on this port plus vLLM's data-parallel
+            index (each data-parallel replica has its own scheduler and
+            tier) (``0``: any free port, in ``metrics.port``); needs
+            ``tiercache[metrics]``.
         metrics_addr: the address the metrics server binds (default ``0.0.0.0``).
         metrics_registry: a ``prometheus_client.CollectorRegistry`` to register
             the collector in (programmatic use), instead of one of the tier's own.
@@ -348,6 +360,7 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
                     metrics_options,
                     self._loop,
                     labels={"engine": "vllm", "tier": tier_type},
+                    rank=_dp_index(offloading_spec),
                     option=str,
                 )
             self._loop.run(self._open_first(), timeout=self._open_timeout_s + 1.0)

@@ -10,27 +10,10 @@ from typing import Any
 
 import prometheus_client
 import pytest
-from tests.integrations.scrape import BACKEND_COUNTERS, port_is_free, scrape
+from tests.integrations.scrape import BACKEND_COUNTERS, free_port_pair, port_is_free, scrape
 from tests.integrations.sglang import sglang_helpers as h
 
 pytestmark = pytest.mark.sglang
-
-
-def _free_port_pair() -> int:
-    """A port ``p`` with ``p`` and ``p + 1`` free on loopback (rank 0 and rank 1)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            if p >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", p + 1))
-                except OSError:
-                    continue
-        return int(p)
-    raise RuntimeError("no two adjacent free ports")
 
 
 def _backend(host: Any, *, tp_rank: int = 0, tp_size: int = 1, **options: Any) -> Any:
@@ -59,7 +42,7 @@ def test_metrics_port_plus_tp_rank_serves_the_backend_stats_and_close_frees_it(
     g = h.Geometry()
     host = h.host_pool(g, h.device_pool(g))
     h.fill_random(host, 3)
-    port = _free_port_pair()
+    port = free_port_pair()
     threads_before = set(threading.enumerate())
     backend = _backend(
         host,
@@ -177,7 +160,7 @@ def test_dp_attention_ranks_on_one_host_get_a_port_each(
     import torch.distributed as dist
 
     g = h.Geometry()
-    port = _free_port_pair()
+    port = free_port_pair()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     made = []

@@ -49,6 +49,8 @@ def offloading_config(
     block_size: int = 16,
     kv_bytes_per_block: int = 4096,
     num_chunks: int = 64,
+    dp_index: int = 0,
+    dp_size: int = 1,
 ) -> OffloadingConfig:
     """vLLM's normalised offloading configuration for a one-worker CPU instance."""
     return OffloadingConfig(
@@ -73,8 +75,8 @@ def offloading_config(
             pp_size=1,
             pcp_size=1,
             dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
+            data_parallel_index=dp_index,
+            data_parallel_size=dp_size,
             data_parallel_rank_local=None,
             is_parallelism_agnostic=False,
         ),

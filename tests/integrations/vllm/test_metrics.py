@@ -16,7 +16,12 @@ from tests.integrations.vllm.engine import require_vllm
 
 require_vllm()
 import prometheus_client  # noqa: E402
-from tests.integrations.scrape import BACKEND_COUNTERS, port_is_free, scrape  # noqa: E402
+from tests.integrations.scrape import (  # noqa: E402
+    BACKEND_COUNTERS,
+    free_port_pair,
+    port_is_free,
+    scrape,
+)
 from tests.integrations.vllm.harness import (  # noqa: E402
     Instance,
     make_keys,
@@ -73,7 +78,7 @@ def test_metrics_port_serves_the_backend_stats_and_shutdown_frees_it(
     threads_before = set(threading.enumerate())
     b = Instance([tier_config(url, metrics_port=port, metrics_addr="127.0.0.1")])
     instances.append(b)
-    assert b.tier.metrics.port == port  # no rank: the port as given
+    assert b.tier.metrics.port == port  # data-parallel index 0: the port as given
     ctx = b.request()
     assert names(b.lookup_until_settled(keys, ctx))[-1] == ["HIT"] * 5
     assert b.load(keys, ctx, BLOCK) == data
@@ -93,6 +98,18 @@ def test_metrics_port_serves_the_backend_stats_and_shutdown_frees_it(
     assert set(threading.enumerate()) - threads_before == set()
     a.close()
     assert registry.get_sample_value("tiercache_backend_set_pages_total", labels) is None
+
+
+def test_data_parallel_replicas_on_one_host_get_a_port_each(
+    tmp_path: Path, instances: list[Instance]
+) -> None:
+    # Each vLLM data-parallel replica runs its own scheduler, so its own tier.
+    port = free_port_pair()
+    for dp in (0, 1):
+        tier = tier_config(f"file://{tmp_path}", metrics_port=port, metrics_addr="127.0.0.1")
+        instances.append(Instance([tier], dp_index=dp, dp_size=2))
+    assert [i.tier.metrics.port for i in instances] == [port, port + 1]
+    assert scrape(port + 1)
 
 
 def _create(tmp_path: Path, **options: Any) -> Any:
