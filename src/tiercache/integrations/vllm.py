@@ -251,7 +251,8 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
             batch) may take; past it the call fails as a miss.
         open_timeout_s: the most opening the backend may take.
         reopen_interval_s: after a failed open, the least time before the next
-            attempt.
+            attempt (from the end of the failed one; calls that waited for a
+            failed open fail with it).
         max_probe_batch: keys queued for an existence query that trigger a
             query before the end of the step.
         locality: ``"LOCAL"`` or ``"REMOTE"``: where vLLM should consider the
@@ -348,6 +349,7 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         self._backend: StorageBackend | None = None
         self._open_lock: asyncio.Lock | None = None
         self._next_open = 0.0
+        self._open_attempts = 0
         self._tasks: set[asyncio.Task[Any]] = set()
 
         #: The Prometheus metrics (``None`` unless ``metrics_port`` or ``metrics_registry``);
@@ -764,13 +766,17 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
             return self._backend
         if self._open_lock is None:
             self._open_lock = asyncio.Lock()
+        attempts = self._open_attempts
         async with self._open_lock:
             if self._backend is not None:
                 return self._backend
-            now = time.monotonic()
-            if not force and now < self._next_open:
+            # An open that failed while this call waited for the lock is its
+            # answer too: calls queued behind it do not each try again.
+            if not force and (
+                self._open_attempts != attempts or time.monotonic() < self._next_open
+            ):
                 raise BackendUnavailableError(f"backend {self._url_display} is down")
-            self._next_open = now + self._reopen_interval_s
+            self._open_attempts += 1
             try:
                 async with asyncio.timeout(self._open_timeout_s):
                     backend = await open_backend(self._url, **self._backend_options)
@@ -778,6 +784,9 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
                 raise StorageTimeoutError(
                     f"opening {self._url_display} took more than {self._open_timeout_s:g} s"
                 ) from None
+            finally:
+                # The interval runs from the end of an attempt, however long it took.
+                self._next_open = time.monotonic() + self._reopen_interval_s
             if self._shut:
                 await backend.aclose()
                 raise BackendUnavailableError("the tier is shut down")

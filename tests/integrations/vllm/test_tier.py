@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import re
@@ -33,7 +34,7 @@ from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
-from tiercache.errors import ConfigError  # noqa: E402
+from tiercache.errors import BackendUnavailableError, ConfigError  # noqa: E402
 from tiercache.integrations.vllm import TIER_KEYS, TierCacheTier  # noqa: E402
 from tiercache.storage import register_backend, unregister_backend  # noqa: E402
 from tiercache.storage.faults import FaultyBackend  # noqa: E402
@@ -583,3 +584,34 @@ def test_drain_jobs_waits_for_a_load_stuck_in_the_file_system(
     b.manager.reset_cache()  # drain_jobs, then vLLM asserts no job is left
     assert stuck.running == 0
     assert not b.manager.has_pending_work()
+
+
+def test_jobs_waiting_on_a_failed_open_do_not_each_open_again(
+    tmp_path: Path, instances: list[Instance]
+) -> None:
+    # A store that takes long to refuse a connection (a host that drops
+    # packets): every job queued behind one failed open used to try its own,
+    # one after the other, so the last job (and drain_jobs) waited for all.
+    opens: list[float] = []
+
+    async def slow_refusal(url: str, **options: object) -> object:
+        opens.append(time.monotonic())
+        await asyncio.sleep(0.4)
+        raise BackendUnavailableError("connection timed out")
+
+    register_backend("slowrefusal", slow_refusal)
+    try:
+        a = Instance([tier_config("slowrefusal://host", reopen_interval_s=0.05)])
+        instances.append(a)
+        opens.clear()
+        for i in range(6):
+            ctx = a.request(f"store-{i}")
+            keys = make_keys(1)
+            a.manager.prepare_store(keys, ctx)
+            a.manager.complete_store(keys, ctx, True)
+        t0 = time.monotonic()
+        a.manager.reset_cache()  # drain_jobs: waits for every store to end
+        assert time.monotonic() - t0 < 1.5
+        assert len(opens) <= 2
+    finally:
+        unregister_backend("slowrefusal")
