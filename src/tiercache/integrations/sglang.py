@@ -24,7 +24,8 @@ unknown key or a bad value raises `ConfigError` naming the key:
 - ``backend_options`` (dict): keyword options for ``open_backend``.
 - ``capacity_bytes`` (int): shorthand for ``backend_options["capacity_bytes"]``
   (the file and memory backends evict past it).
-- ``timeout_s`` (default 5.0): deadline of every storage call.
+- ``timeout_s`` (default 5.0): deadline of every storage call (a read or
+  write of SGLang's pages stuck in I/O is waited for: see **Threads**).
 - ``open_timeout_s`` (default 30.0): deadline of opening and closing the backend.
 - ``fault_policy`` (``auto_reconnect`` default, ``auto_detach``, ``none``) and
   ``fault_threshold`` (default 5): after that many failed calls in a row,

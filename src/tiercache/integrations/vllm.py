@@ -248,7 +248,9 @@ class TierCacheTier(SecondaryTierManager):  # type: ignore[misc]
         namespace: an extra label mixed into the key namespace (e.g. to keep
             two deployments of one model apart on a shared store).
         timeout_s: the most any storage call (existence query, store or load
-            batch) may take; past it the call fails as a miss.
+            batch) may take once the backend is open (a call made while an
+            open is attempted waits for it, up to ``open_timeout_s``); past
+            it the call fails as a miss.
         open_timeout_s: the most opening the backend may take.
         reopen_interval_s: after a failed open, the least time before the next
             attempt (from the end of the failed one; calls that waited for a
