@@ -1336,13 +1336,17 @@ class TierCache(AsyncResource):
         if node.backuped_storage or node.host_indices is None or node.parent is None:
             return None
         self.index.pin_host(node)
-        op = ctl.write_storage(
-            node.host_indices,
-            list(node.key),
-            node_id=node.id,
-            hash_values=list(node.page_hashes),
-            track=False,  # awaited below: nobody drains it
-        )
+        try:
+            op = ctl.write_storage(
+                node.host_indices,
+                list(node.key),
+                node_id=node.id,
+                hash_values=list(node.page_hashes),
+                track=False,  # awaited below: nobody drains it
+            )
+        except BaseException:
+            self.index.unpin_host(node)  # a refused backup holds nothing
+            raise
         if op is None:
             self.index.unpin_host(node)
             return None

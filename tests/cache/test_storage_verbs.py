@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tiercache import TierCache, TierCacheConfig
-from tiercache.errors import InvalidInputError
+from tiercache.errors import InvalidInputError, StateError
 from tiercache.storage.faults import FaultKind, FaultPlan, FaultSpec, FaultyBackend
 from tiercache.storage.memory import MemoryBackend
 
@@ -59,6 +59,29 @@ async def test_backups_that_fail_are_not_counted_as_written(fault: FaultKind) ->
         assert cache.stats().storage_backups == 3
         assert (await inner.stats()).set_written == 9  # their pages, every one
         assert await cache.backup_to_storage() == 0  # nothing left to write
+
+
+async def test_a_backup_the_controller_refuses_leaves_no_pin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node is pinned on the host while its storage backup runs; a backup
+    the controller refuses at the call must not leave the pin behind (the
+    node could never be evicted from the host again)."""
+    async with TierCache(config()) as cache:
+        await put(cache, list(range(3 * PS)))
+        await cache.wait_idle()
+        await cache.attach_storage(MemoryBackend())
+
+        def refuse(*args: Any, **kw: Any) -> None:
+            raise StateError("refused")
+
+        monkeypatch.setattr(cache.controller, "write_storage", refuse)
+        with pytest.raises(StateError, match="refused"):
+            await cache.backup_to_storage()
+        assert all(n.host_pin == 0 for n in cache.index.nodes())
+        cache.index.check_invariants()
+        monkeypatch.undo()
+        assert await cache.backup_to_storage() == 1
 
 
 @pytest.mark.parametrize("cached_prefix", [False, True])
