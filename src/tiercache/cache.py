@@ -1126,17 +1126,20 @@ class TierCache(AsyncResource):
     async def _long_chain(self, toks: list[int], extra_key: str | None) -> list[str] | None:
         """The page hash chain of a long prompt's ``toks``, hashed off the loop; else ``None``.
 
-        ``None`` for a few pages: the index hashes the new ones itself, in
+        ``None`` when few of its pages are new to the index (a commit that
+        adds a page to a cached prompt): the index hashes those itself, in
         less time than a thread hop. The chain starts at the namespace's
-        root, so it holds whatever the index has meanwhile.
+        root, so it fits whatever the index holds once the hashing is done.
         """
-        if len(toks) // self.layout.page_size <= INLINE_HASH_PAGES:
+        ps = self.layout.page_size
+        if len(toks) // ps <= INLINE_HASH_PAGES:
             return None
+        known = self.index.match_prefix(toks, extra_key, touch=False, checked=True)
+        if (len(toks) - known.matched_length) // ps <= INLINE_HASH_PAGES:
+            return None  # the pages not in the index yet are few: hashed inline
         loop = asyncio.get_running_loop()
         # Cancelling the caller leaves the thread to finish on a list no one changes.
-        return await loop.run_in_executor(
-            None, page_hashes, toks, self.layout.page_size, extra_key_prior(extra_key)
-        )
+        return await loop.run_in_executor(None, page_hashes, toks, ps, extra_key_prior(extra_key))
 
     def _insert_slots(
         self, ctl: TierController, toks: list[int], device_indices: torch.Tensor
