@@ -60,6 +60,12 @@ async def test_a_long_prompt_is_hashed_off_the_loop_into_the_same_chain(
         node = m.index.last_device_node
         chain = [h for n in c.index.path(node) for h in n.page_hashes]
         assert chain == page_hashes(prompt, PS, extra_key_prior(extra_key))
+        # One page more on the long cached prompt: the index hashes that page itself.
+        hashed = len(threads)
+        more = [*prompt, 7, 7, 7, 7]
+        await c.insert(more, torch.cat([m.device_indices, await c.alloc_device(PS)]), extra_key)
+        assert len(threads) == hashed
+        c.index.check_invariants()
 
 
 def test_an_insert_with_a_chain_of_the_wrong_length_changes_nothing() -> None:
