@@ -42,6 +42,14 @@ and publishes the page in its place. Page files are opened with
 ``O_NOFOLLOW | O_NONBLOCK``, so a link is never followed and a fifo never
 blocks a thread.
 
+**A store that cannot remove files** (a read-only mount, another user's
+files) still opens and serves what it holds. Removal is best effort where
+it is housekeeping: leftovers the scan cannot remove stay, a damaged entry
+that cannot be removed is still a miss counted in ``stats.corrupt_pages``
+(its warning says it stays), and a file an eviction cannot remove stays on
+disk, no longer counted. `delete` and `clear` raise `StorageError`; writes
+fail page by page (``False``, counted in ``stats.errors``).
+
 **Reads land once and are checked in place.** A read opens the file, checks
 its size with ``fstat``, reads and verifies the small header (key, format,
 length, header checksum), then reads the payload with ``preadv`` straight
@@ -224,6 +232,8 @@ class _Result:
     status: str  # "hit", "miss", "stale", "corrupt", "refused", "error", "written", "exists"
     size: int = 0
     detail: str = ""
+    #: A stale or damaged entry: whether it could be removed (a read-only store keeps it).
+    removed: bool = True
 
 
 class FileBackend(StorageBackend):
@@ -458,7 +468,11 @@ class FileBackend(StorageBackend):
         await self._ready()
         for k in ks:
             self._forget(k)
-        (n,) = await self._run([lambda: sum(_unlink(self._path(k)) for k in dict.fromkeys(ks))])
+        try:
+            (n,) = await self._run([lambda: sum(_unlink(self._path(k)) for k in dict.fromkeys(ks))])
+        except OSError as e:
+            self._stats.errors += 1
+            raise StorageError(f"file backend: cannot delete from {self.root}: {e}") from e
         return n
 
     async def clear(self) -> None:
@@ -563,13 +577,14 @@ class FileBackend(StorageBackend):
         if r.status == "refused":  # the target was wrong; the file is still there
             return False
         self._forget(key)
+        fate = "was removed" if r.removed else "could not be removed (it stays a miss)"
         if r.status == "stale":
-            logger.debug("file backend %s: page %s: %s", self.root, key, r.detail)
+            logger.debug("file backend %s: page %s: %s, %s", self.root, key, r.detail, fate)
         elif r.status == "corrupt":
             self._stats.corrupt_pages += 1
             logger.warning(
-                "file backend %s: page %s failed its checks and was removed: %s",
-                self.root, key, r.detail,
+                "file backend %s: page %s failed its checks and %s: %s",
+                self.root, key, fate, r.detail,
             )  # fmt: skip
         elif r.status == "error":
             self._stats.errors += 1
@@ -700,7 +715,7 @@ class FileBackend(StorageBackend):
 
     def _evict_job(self, victims: list[str]) -> Callable[[], Any]:
         paths = [self._path(k) for k in victims]
-        return lambda: [_unlink(p) for p in paths]
+        return lambda: [_discard(p) for p in paths]
 
     # --- jobs: run on the backend's threads, never touch loop state -------------------------
 
@@ -714,8 +729,11 @@ class FileBackend(StorageBackend):
             except OSError as e:
                 if e.errno != errno.ELOOP:
                     raise
-                _remove_entry(path)  # O_NOFOLLOW met a symbolic link
-                return _Result("corrupt", detail="a symbolic link stands where the page should be")
+                return _Result(  # O_NOFOLLOW met a symbolic link
+                    "corrupt",
+                    detail="a symbolic link stands where the page should be",
+                    removed=_remove_entry(path),
+                )
             try:
                 result = self._read_fd(fd, key, page)
                 if result.status == "hit" and self.capacity_bytes is not None:
@@ -727,7 +745,7 @@ class FileBackend(StorageBackend):
             finally:
                 os.close(fd)
             if result.status not in ("hit", "refused"):
-                _remove_entry(path)
+                result.removed = _remove_entry(path)
             return result
         except OSError as e:
             return _Result("error", detail=f"{type(e).__name__}: {e}")
@@ -868,8 +886,7 @@ class FileBackend(StorageBackend):
                 os.close(fd)
         except OSError:
             return False
-        _unlink(probe)
-        return True
+        return _discard(probe)  # a store that cannot remove files writes named ones
 
     def _exists_job(self, keys: Sequence[str]) -> list[tuple[str, int]]:
         found: list[tuple[str, int]] = []
@@ -923,20 +940,20 @@ class FileBackend(StorageBackend):
                         continue
                     if e.name.startswith(".") and e.name.endswith(_TMP_SUFFIX):
                         if st.st_mtime < stale_before:
-                            removed += _unlink(e.path)
+                            removed += _discard(e.path)
                     elif e.name.endswith(_SUFFIX) and stat.S_ISREG(st.st_mode):
                         pages.append((st.st_mtime, e.name[: -len(_SUFFIX)], st.st_size))
             for old in _list_dirs(shard):  # the version 1 layout
-                removed += _remove_page_files(Path(old.path), rmdir=True)
+                removed += _remove_page_files(Path(old.path), rmdir=True, strict=False)
         pages.sort()
         return [(k, size) for _, k, size in pages], removed
 
     def _clear_job(self) -> None:
         # The shard directories stay: the next writes need them.
         for shard in self._shards():
-            _remove_page_files(shard, rmdir=False)
+            _remove_page_files(shard, rmdir=False, strict=True)
             for old in _list_dirs(shard):
-                _remove_page_files(Path(old.path), rmdir=True)
+                _remove_page_files(Path(old.path), rmdir=True, strict=True)
 
 
 def _touch(fd: int) -> None:
@@ -952,22 +969,40 @@ def _touch(fd: int) -> None:
 
 
 def _unlink(path: str | Path) -> bool:
-    """Remove the file at ``path``; ``False`` if it was already gone."""
+    """Remove the file at ``path``; ``False`` if it was already gone (or its shard is no directory).
+
+    Raises:
+        OSError: the file is there and cannot be removed (a read-only store,
+            another user's directory).
+    """
     try:
         os.unlink(path)
         return True
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return False
 
 
-def _remove_page_files(directory: Path, *, rmdir: bool) -> int:
-    """Unlink the ``*.page`` and ``*.tmp`` files of ``directory`` (then the directory if empty)."""
+def _discard(path: str | Path) -> bool:
+    """`_unlink`, best effort: a file that cannot be removed stays (logged); ``False`` then."""
+    try:
+        return _unlink(path)
+    except OSError as e:
+        logger.debug("file backend: cannot remove %s: %s", path, e)
+        return False
+
+
+def _remove_page_files(directory: Path, *, rmdir: bool, strict: bool) -> int:
+    """Unlink the ``*.page`` and ``*.tmp`` files of ``directory`` (then the directory if empty).
+
+    ``strict``: a file that cannot be removed raises `OSError`; otherwise it
+    stays (the scan at start cleans up best effort: a read-only store still opens).
+    """
     try:
         with os.scandir(directory) as it:
             names = [e.path for e in it if e.name.endswith((_SUFFIX, _TMP_SUFFIX))]
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return 0
-    n = sum(_unlink(p) for p in names)
+    n = sum((_unlink if strict else _discard)(p) for p in names)
     if rmdir:
         try:
             os.rmdir(directory)
@@ -1025,19 +1060,20 @@ def _is_page_file(path: str | Path) -> bool:
     return False
 
 
-def _remove_entry(path: str | Path) -> None:
-    """Remove whatever stands at ``path`` (file, link, fifo, directory tree); never follows links."""
+def _remove_entry(path: str | Path) -> bool:
+    """Remove whatever stands at ``path`` (file, link, fifo, directory tree); never follows links.
+
+    Best effort: ``False`` when it is still there (a read-only store), ``True``
+    when it is gone.
+    """
     try:
         st = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: links inside are not followed
-    else:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        return True
+    if not stat.S_ISDIR(st.st_mode):
+        return _discard(path) or not os.path.lexists(path)
+    shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: links inside are not followed
+    return not os.path.lexists(path)
 
 
 def _link_first(
