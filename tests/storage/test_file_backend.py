@@ -342,7 +342,7 @@ async def test_a_failed_write_is_false_counted_and_leaves_no_temp_file(
         with caplog.at_level(logging.WARNING, logger=LOGGER):
             result = await b.batch_set(ks, [random_page(), random_page()])
         assert result == [False, True]
-        assert "cannot write page" in caplog.text
+        assert "cannot write 1 of 2 pages" in caplog.text
         assert (await b.stats()).errors == 1
         files = await asyncio.to_thread(all_files, root)
         assert not [f for f in files if f.name.endswith(".tmp")]

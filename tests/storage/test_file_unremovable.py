@@ -86,7 +86,7 @@ async def test_a_damaged_page_that_cannot_be_removed_is_still_a_corrupt_miss(
         s = await b.stats()
         assert (s.corrupt_pages, s.errors) == (4, 0)
         assert "could not be removed" in caplog.text
-        assert "cannot read page" not in caplog.text
+        assert "cannot read" not in caplog.text
 
 
 async def test_eviction_and_delete_of_files_that_cannot_be_removed(
@@ -116,3 +116,25 @@ async def test_eviction_and_delete_of_files_that_cannot_be_removed(
         await asyncio.to_thread(shard.rmdir)
         await asyncio.to_thread(shard.write_bytes, b"not a directory")
         assert await b.delete(ks[2:]) == 0
+
+
+async def test_a_full_disk_fails_each_page_and_logs_one_warning_per_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "store"
+    ks = keys(20)
+    async with await FileBackend.open(root) as b:
+
+        def full(fd: int, buffers: Any) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "writev", full)
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert await b.batch_set(ks, [random_page() for _ in ks]) == [False] * 20
+        monkeypatch.undo()
+        failures = [r for r in caplog.records if "cannot write" in r.getMessage()]
+        assert len(failures) == 1 and "20 of 20 pages" in failures[0].getMessage()
+        assert (await b.stats()).errors == 20
+        files = await asyncio.to_thread(lambda: [p for p in root.rglob("*") if p.is_file()])
+        assert files == []  # no temporary file left behind
+        assert await b.batch_set(ks, [random_page() for _ in ks]) == [True] * 20

@@ -436,7 +436,9 @@ class FileBackend(StorageBackend):
         await self._ready()
         results = await self._run_each(lambda i: self._read_job(ks[i], pages[i]), len(ks))
         self._check_open()
-        out = [self._account_read(k, r) for k, r in zip(ks, results, strict=True)]
+        failed: list[tuple[str, str]] = []
+        out = [self._account_read(k, r, failed) for k, r in zip(ks, results, strict=True)]
+        self._log_failures("read", failed, len(ks))
         self._stats.get_pages += len(ks)
         refused = next((r for r in results if r.status == "refused"), None)
         if refused is not None:
@@ -457,9 +459,11 @@ class FileBackend(StorageBackend):
         except BaseException:
             self._release(sum(size for _, size in todo))
             raise
+        failed: list[tuple[str, str]] = []
         for (i, reserved), r in zip(todo, results, strict=True):
             self._release(reserved)
-            out[i] = self._account_write(ks[i], reserved, r)
+            out[i] = self._account_write(ks[i], reserved, r, failed)
+        self._log_failures("write", failed, len(ks))
         self._stats.set_pages += len(ks)
         return out
 
@@ -566,8 +570,11 @@ class FileBackend(StorageBackend):
             victims.append(k)
         return victims
 
-    def _account_read(self, key: str, r: _Result) -> bool:
-        """Fold one page read into the index and the stats; whether the page arrived."""
+    def _account_read(self, key: str, r: _Result, failed: list[tuple[str, str]]) -> bool:
+        """Fold one page read into the index and the stats; whether the page arrived.
+
+        A read that failed (not a miss, not damage) is added to ``failed``.
+        """
         if r.status == "hit":
             self._adopt(key, r.size)
             self._index.move_to_end(key)
@@ -588,7 +595,7 @@ class FileBackend(StorageBackend):
             )  # fmt: skip
         elif r.status == "error":
             self._stats.errors += 1
-            logger.warning("file backend %s: cannot read page %s: %s", self.root, key, r.detail)
+            failed.append((key, r.detail))
         return False
 
     def _plan_writes(
@@ -631,17 +638,35 @@ class FileBackend(StorageBackend):
             self._used -= reserved
             self._in_flight -= reserved
 
-    def _account_write(self, key: str, reserved: int, r: _Result) -> bool:
-        """Fold one page write into the index and the stats; whether the key is stored."""
+    def _account_write(
+        self, key: str, reserved: int, r: _Result, failed: list[tuple[str, str]]
+    ) -> bool:
+        """Fold one page write into the index and the stats; whether the key is stored.
+
+        A write that failed is added to ``failed``.
+        """
         if r.status not in ("written", "exists"):
             self._stats.errors += 1
-            logger.warning("file backend %s: cannot write page %s: %s", self.root, key, r.detail)
+            failed.append((key, r.detail))
             return False
         self._adopt(key, r.size or reserved)
         if r.status == "written":
             self._stats.set_written += 1
             self._stats.bytes_written += r.size
         return True
+
+    def _log_failures(self, verb: str, failed: Sequence[tuple[str, str]], n: int) -> None:
+        """One warning for a batch's failed reads or writes, however many.
+
+        A full disk or a read-only store fails every page of a batch: one line
+        per page would flood the log (and hold the event loop while it does).
+        """
+        if failed:
+            key, detail = failed[0]
+            logger.warning(
+                "file backend %s: cannot %s %d of %d pages (first: %s: %s)",
+                self.root, verb, len(failed), n, key, detail,
+            )  # fmt: skip
 
     async def _run(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
         """Run blocking jobs on the backend's threads; all or none, even when cancelled.
