@@ -224,10 +224,10 @@ async def test_stats_count_operations(backend: StorageBackend) -> None:
     assert s.exists_calls == 1
     assert s.set_pages == 3
     assert s.set_written == 2
-    assert s.bytes_written >= 1024
+    assert s.bytes_written == 1024  # page bytes, whatever the backend adds to store them
     assert s.get_pages == 3
     assert s.get_hits == 2
-    assert s.bytes_read >= 1024
+    assert s.bytes_read == 1024
     assert s.corrupt_pages == 0
     s.get_hits = 99  # a snapshot, not the live counters
     assert (await backend.stats()).get_hits == 2

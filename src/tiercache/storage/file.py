@@ -437,7 +437,10 @@ class FileBackend(StorageBackend):
         results = await self._run_each(lambda i: self._read_job(ks[i], pages[i]), len(ks))
         self._check_open()
         failed: list[tuple[str, str]] = []
-        out = [self._account_read(k, r, failed) for k, r in zip(ks, results, strict=True)]
+        out = [
+            self._account_read(k, p.nbytes, r, failed)
+            for k, p, r in zip(ks, pages, results, strict=True)
+        ]
         self._log_failures("read", failed, len(ks))
         self._stats.get_pages += len(ks)
         refused = next((r for r in results if r.status == "refused"), None)
@@ -462,7 +465,7 @@ class FileBackend(StorageBackend):
         failed: list[tuple[str, str]] = []
         for (i, reserved), r in zip(todo, results, strict=True):
             self._release(reserved)
-            out[i] = self._account_write(ks[i], reserved, r, failed)
+            out[i] = self._account_write(ks[i], pages[i].nbytes, reserved, r, failed)
         self._log_failures("write", failed, len(ks))
         self._stats.set_pages += len(ks)
         return out
@@ -570,8 +573,13 @@ class FileBackend(StorageBackend):
             victims.append(k)
         return victims
 
-    def _account_read(self, key: str, r: _Result, failed: list[tuple[str, str]]) -> bool:
+    def _account_read(
+        self, key: str, nbytes: int, r: _Result, failed: list[tuple[str, str]]
+    ) -> bool:
         """Fold one page read into the index and the stats; whether the page arrived.
+
+        ``stats.bytes_read`` counts the page's ``nbytes``, as every backend
+        does (not the file's header); the index keeps the file's size.
 
         A read that failed (not a miss, not damage) is added to ``failed``.
         """
@@ -579,7 +587,7 @@ class FileBackend(StorageBackend):
             self._adopt(key, r.size)
             self._index.move_to_end(key)
             self._stats.get_hits += 1
-            self._stats.bytes_read += r.size
+            self._stats.bytes_read += nbytes
             return True
         if r.status == "refused":  # the target was wrong; the file is still there
             return False
@@ -639,9 +647,11 @@ class FileBackend(StorageBackend):
             self._in_flight -= reserved
 
     def _account_write(
-        self, key: str, reserved: int, r: _Result, failed: list[tuple[str, str]]
+        self, key: str, nbytes: int, reserved: int, r: _Result, failed: list[tuple[str, str]]
     ) -> bool:
         """Fold one page write into the index and the stats; whether the key is stored.
+
+        ``stats.bytes_written`` counts the page's ``nbytes`` (see `_account_read`).
 
         A write that failed is added to ``failed``.
         """
@@ -652,7 +662,7 @@ class FileBackend(StorageBackend):
         self._adopt(key, r.size or reserved)
         if r.status == "written":
             self._stats.set_written += 1
-            self._stats.bytes_written += r.size
+            self._stats.bytes_written += nbytes
         return True
 
     def _log_failures(self, verb: str, failed: Sequence[tuple[str, str]], n: int) -> None:
