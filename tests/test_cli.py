@@ -89,6 +89,32 @@ def test_inspect_counts_what_is_no_page_file_as_damaged_without_blocking(tmp_pat
     assert main(["inspect", str(tmp_path)]) == 0
 
 
+def test_inspect_counts_directories_as_damaged_and_older_pages_as_stale(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the file backend reads them: anything but a regular file is damaged; an older
+    format version is a stale page (a plain miss), not damage."""
+    import os
+    import struct
+
+    from tiercache.storage.format import encode_header
+
+    shard = tmp_path / "ab"
+    shard.mkdir()
+    (shard / "dir.page").mkdir()
+    (shard / "dir.page" / "inner.page").write_bytes(b"not walked into")
+    (shard / "link.page").symlink_to(tmp_path)  # a link to a directory
+    old = bytearray(encode_header("k-ab", "f", 4, 0, 4096) + b"abcd")
+    struct.pack_into("<H", old, 4, 2)  # format version 2
+    (shard / "old.page").write_bytes(bytes(old))
+    info = inspect_store(tmp_path)
+    assert (info["pages"], info["damaged"], info["stale"]) == (3, 2, 1)
+    assert info["bytes"] == len(old) and info["groups"] == []
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "damaged: 2  stale: 1" in capsys.readouterr().out
+    assert os.path.isdir(shard / "dir.page")  # inspecting changes nothing
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

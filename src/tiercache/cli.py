@@ -42,23 +42,30 @@ def inspect_store(root: Path) -> dict[str, object]:
 
     Only each ``*.page`` file's header is read, as the file backend reads
     it: a link is never followed and a fifo never blocks. Files whose header
-    does not parse, and anything else under a page file's name (a link, a
-    fifo, a socket, a file that cannot be read), are counted as ``damaged``;
-    a file removed while the store is walked (a store in use) is skipped.
+    does not parse, and anything else under a page file's name (a directory,
+    a link, a fifo, a socket, a file that cannot be read), are counted as
+    ``damaged``; pages of an older format version as ``stale`` (the backend
+    reads them as plain misses); a file removed while the store is walked
+    (a store in use) is skipped. Nothing is changed.
 
     Raises:
         FileNotFoundError: ``root`` is not a directory.
     """
-    from tiercache.storage.format import decode_header
+    from tiercache.storage.format import decode_header, is_older_version
 
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
     pages = 0
     total = 0
     damaged = 0
+    stale = 0
     groups: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
+    for dirpath, dirs, files in os.walk(root):
+        # A directory (or a link to one) named like a page stands where a page
+        # should be: counted, never walked into.
+        entries = files + [d for d in dirs if d.endswith(".page")]
+        dirs[:] = [d for d in dirs if not d.endswith(".page")]
+        for name in entries:
             if not name.endswith(".page") or name.startswith("."):
                 continue
             try:
@@ -69,6 +76,9 @@ def inspect_store(root: Path) -> dict[str, object]:
             total += size
             if head is None:
                 damaged += 1
+                continue
+            if is_older_version(head):
+                stale += 1
                 continue
             try:
                 h = decode_header(head)
@@ -84,6 +94,7 @@ def inspect_store(root: Path) -> dict[str, object]:
         "pages": pages,
         "bytes": total,
         "damaged": damaged,
+        "stale": stale,
         "groups": [
             {"namespace": ns, "format": fmt, "pages": n, "bytes": b}
             for (ns, fmt), (n, b) in sorted(groups.items())
@@ -181,7 +192,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(f"tiercache inspect: {e}", file=sys.stderr)
         return 2
     print(f"store: {info['root']}")
-    print(f"pages: {info['pages']}  bytes: {info['bytes']}  damaged: {info['damaged']}")
+    print(
+        f"pages: {info['pages']}  bytes: {info['bytes']}  "
+        f"damaged: {info['damaged']}  stale: {info['stale']}"
+    )
     groups = info["groups"]
     assert isinstance(groups, list)
     for g in groups:
