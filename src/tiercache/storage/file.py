@@ -68,7 +68,9 @@ intact header is of another format or length than the target is a good page
 read into the wrong buffer: ``batch_get`` raises `InvalidInputError`, the
 target is not touched and the file stays. A page of an
 older format version is a plain miss (removed, logged at debug level): the
-next write stores it anew. Writes are zero-copy: the header and the page's
+next write stores it anew. A page of a newer version (an upgraded process
+sharing the root) is a miss that stays: not damage, and not this version's
+to replace. Writes are zero-copy: the header and the page's
 segments go to one ``writev`` with no join.
 
 **Threads.** A batch runs on the backend's own threads (``max_concurrency``
@@ -133,6 +135,7 @@ from tiercache.storage.format import (
     check_header,
     decode_header,
     header_size,
+    is_newer_version,
     is_older_version,
     pack_page,
     verify_in_place,
@@ -229,7 +232,8 @@ def _octal(name: str, value: Any) -> int:
 class _Result:
     """What one page job reports back to the loop."""
 
-    status: str  # "hit", "miss", "stale", "corrupt", "refused", "error", "written", "exists"
+    #: "hit", "miss", "stale", "newer", "corrupt", "refused", "error", "written", "exists"
+    status: str
     size: int = 0
     detail: str = ""
     #: A stale or damaged entry: whether it could be removed (a read-only store keeps it).
@@ -591,6 +595,10 @@ class FileBackend(StorageBackend):
             return True
         if r.status == "refused":  # the target was wrong; the file is still there
             return False
+        if r.status == "newer":  # an upgraded process's page: not ours to read or remove
+            self._forget(key)
+            logger.debug("file backend %s: page %s: %s", self.root, key, r.detail)
+            return False
         self._forget(key)
         fate = "was removed" if r.removed else "could not be removed (it stays a miss)"
         if r.status == "stale":
@@ -779,7 +787,7 @@ class FileBackend(StorageBackend):
                 result = _Result("refused", detail=str(e))
             finally:
                 os.close(fd)
-            if result.status not in ("hit", "refused"):
+            if result.status not in ("hit", "refused", "newer"):
                 result.removed = _remove_entry(path)
             return result
         except OSError as e:
@@ -808,6 +816,8 @@ class FileBackend(StorageBackend):
         head = os.pread(fd, header_size(key, page.format, _ALIGN), 0)
         if is_older_version(head):
             return _Result("stale", detail="a page of an older format version")
+        if is_newer_version(head):
+            return _Result("newer", detail="a page of a newer format version, kept")
         # Decode what is there first: a wrong key or format says more than a size.
         h = decode_header(head)
         check_header(h, key, page)

@@ -36,7 +36,10 @@ same machine), it releases the GIL, and it hashes a page's segments in place,
 so verifying a page costs a small fraction of reading it. Pages of versions 1
 (CRC-32) and 2 (no padding field) are not read: `is_older_version` tells them
 apart so that a backend can drop them as plain misses; the next write of the
-same key stores it anew.
+same key stores it anew. A page of a later version (written by an upgraded
+process sharing the store, during a rolling upgrade) is a miss too, but
+`is_newer_version` lets a backend keep it: it is no damage, and the upgraded
+processes still read it.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ __all__ = [
     "decode_header",
     "encode_header",
     "header_size",
+    "is_newer_version",
     "is_older_version",
     "page_checksum",
     "check_header",
@@ -139,13 +143,23 @@ def encode_header(
     return fixed + _SUM.pack(_header_sum(fixed, fmt_b, key_b, padding)) + fmt_b + key_b + padding
 
 
-def is_older_version(data: bytes | bytearray | memoryview) -> bool:
-    """Whether ``data`` starts like a page of an earlier format version (stale, not damaged)."""
+def _version(data: bytes | bytearray | memoryview) -> int:
+    """The format version ``data`` starts with; 0 when it does not start like a page."""
     mv = memoryview(data)
     if mv.nbytes < 6 or bytes(mv[:4]) != MAGIC:
-        return False
+        return 0
     (version,) = struct.unpack_from("<H", mv, 4)
-    return 0 < int(version) < VERSION
+    return int(version)
+
+
+def is_older_version(data: bytes | bytearray | memoryview) -> bool:
+    """Whether ``data`` starts like a page of an earlier format version (stale, not damaged)."""
+    return 0 < _version(data) < VERSION
+
+
+def is_newer_version(data: bytes | bytearray | memoryview) -> bool:
+    """Whether ``data`` starts like a page of a later format version (unreadable here, not damaged)."""
+    return _version(data) > VERSION
 
 
 def decode_header(data: bytes | bytearray | memoryview) -> PageHeader:

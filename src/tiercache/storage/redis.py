@@ -41,7 +41,13 @@ from tiercache.errors import (
     StorageTimeoutError,
 )
 from tiercache.storage.base import BackendState, PageBuffer, PageKey, StorageBackend
-from tiercache.storage.format import check_header, decode_header, pack_page, unpack_page
+from tiercache.storage.format import (
+    check_header,
+    decode_header,
+    is_newer_version,
+    pack_page,
+    unpack_page,
+)
 from tiercache.storage.keys import check_batch
 from tiercache.storage.registry import option_bool, option_int
 
@@ -254,7 +260,7 @@ def _unpack_values(
     """
     out: list[str | None | bool] = []
     for key, blob, page in zip(keys, blobs, pages, strict=True):
-        if blob is None:
+        if blob is None or is_newer_version(blob):  # newer: an upgraded writer's, kept
             out.append(False)
             continue
         try:
@@ -301,7 +307,8 @@ class RedisBackend(StorageBackend):
     the read and the delete would be lost, which costs a miss, never wrong KV).
     An intact page read into a target of another format or length is the
     caller's mistake: ``batch_get`` raises `InvalidInputError` before it
-    writes any target, and every key stays.
+    writes any target, and every key stays. A page of a later format version
+    (an upgraded process sharing the server) is a plain miss that stays.
     A hit does not extend a key's time to live.
 
     Large pages: a batch whose pages total more than `OFFLOAD_BYTES` (1 MiB)
