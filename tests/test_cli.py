@@ -107,11 +107,13 @@ def test_inspect_counts_directories_as_damaged_and_older_pages_as_stale(
     old = bytearray(encode_header("k-ab", "f", 4, 0, 4096) + b"abcd")
     struct.pack_into("<H", old, 4, 2)  # format version 2
     (shard / "old.page").write_bytes(bytes(old))
+    struct.pack_into("<H", old, 4, 99)  # a later version, from an upgraded process
+    (shard / "new.page").write_bytes(bytes(old))
     info = inspect_store(tmp_path)
-    assert (info["pages"], info["damaged"], info["stale"]) == (3, 2, 1)
-    assert info["bytes"] == len(old) and info["groups"] == []
+    assert (info["pages"], info["damaged"], info["stale"], info["newer"]) == (4, 2, 1, 1)
+    assert info["bytes"] == 2 * len(old) and info["groups"] == []
     assert main(["inspect", str(tmp_path)]) == 0
-    assert "damaged: 2  stale: 1" in capsys.readouterr().out
+    assert "damaged: 2  stale: 1  newer: 1" in capsys.readouterr().out
     assert os.path.isdir(shard / "dir.page")  # inspecting changes nothing
 
 

@@ -44,14 +44,14 @@ def inspect_store(root: Path) -> dict[str, object]:
     it: a link is never followed and a fifo never blocks. Files whose header
     does not parse, and anything else under a page file's name (a directory,
     a link, a fifo, a socket, a file that cannot be read), are counted as
-    ``damaged``; pages of an older format version as ``stale`` (the backend
-    reads them as plain misses); a file removed while the store is walked
+    ``damaged``; pages of an older format version as ``stale`` and of a later
+    one as ``newer`` (the backend reads both as plain misses); a file removed while the store is walked
     (a store in use) is skipped. Nothing is changed.
 
     Raises:
         FileNotFoundError: ``root`` is not a directory.
     """
-    from tiercache.storage.format import decode_header, is_older_version
+    from tiercache.storage.format import decode_header, is_newer_version, is_older_version
 
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
@@ -59,6 +59,7 @@ def inspect_store(root: Path) -> dict[str, object]:
     total = 0
     damaged = 0
     stale = 0
+    newer = 0
     groups: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     for dirpath, dirs, files in os.walk(root):
         # A directory (or a link to one) named like a page stands where a page
@@ -80,6 +81,9 @@ def inspect_store(root: Path) -> dict[str, object]:
             if is_older_version(head):
                 stale += 1
                 continue
+            if is_newer_version(head):
+                newer += 1
+                continue
             try:
                 h = decode_header(head)
             except StorageCorruptionError:
@@ -95,6 +99,7 @@ def inspect_store(root: Path) -> dict[str, object]:
         "bytes": total,
         "damaged": damaged,
         "stale": stale,
+        "newer": newer,
         "groups": [
             {"namespace": ns, "format": fmt, "pages": n, "bytes": b}
             for (ns, fmt), (n, b) in sorted(groups.items())
@@ -194,7 +199,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"store: {info['root']}")
     print(
         f"pages: {info['pages']}  bytes: {info['bytes']}  "
-        f"damaged: {info['damaged']}  stale: {info['stale']}"
+        f"damaged: {info['damaged']}  stale: {info['stale']}  newer: {info['newer']}"
     )
     groups = info["groups"]
     assert isinstance(groups, list)
