@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+from pathlib import Path
 
 import torch
 
@@ -35,3 +37,16 @@ def slots(*pages: int) -> torch.Tensor:
     """Slot indices of the given page numbers of the test layout."""
     ps = LAYOUT.page_size
     return torch.cat([torch.arange(p * ps, (p + 1) * ps, dtype=torch.int64) for p in pages])
+
+
+async def page_file_size(root: Path) -> int:
+    """Bytes of a file store's page file of a `random_page` (header included); leaves none."""
+    from tiercache.storage.file import FileBackend, shard_dir
+
+    (k,) = keys(1)
+    async with await FileBackend.open(root) as probe:
+        await probe.batch_set([k], [random_page()])
+        path = root / shard_dir(k) / f"{k}.page"
+        size = (await asyncio.to_thread(os.stat, path)).st_size
+        await probe.clear()
+    return size

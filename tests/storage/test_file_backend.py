@@ -14,7 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.storage.storage_helpers import FORMAT, host_pool, keys, random_page, slots
+from tests.storage.storage_helpers import (
+    FORMAT,
+    host_pool,
+    keys,
+    page_file_size,
+    random_page,
+    slots,
+)
 
 from tiercache.errors import ConfigError, InvalidInputError
 from tiercache.memory import PageBuffer
@@ -238,10 +245,7 @@ async def test_leftover_temporary_files_are_ignored_and_cleaned(tmp_path: Path) 
 async def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
     root = tmp_path / "store"
     ks = keys(4)
-    async with await FileBackend.open(root) as probe:
-        await probe.batch_set(ks[:1], [random_page()])
-        size = (await asyncio.to_thread(os.stat, page_path(root, ks[0]))).st_size
-        await probe.clear()
+    size = await page_file_size(root)
     async with await FileBackend.open(root, capacity_bytes=3 * size) as b:
         await b.batch_set(ks[:3], [random_page() for _ in range(3)])
         assert await b.batch_get([ks[0]], [PageBuffer.allocate(512, FORMAT)]) == [True]
@@ -261,10 +265,7 @@ async def test_a_batch_larger_than_the_capacity_stays_under_it(tmp_path: Path) -
     """The batch's own pages in flight cannot be evicted: the leading pages that fit are stored."""
     root = tmp_path / "store"
     ks = keys(3)
-    async with await FileBackend.open(root) as probe:
-        await probe.batch_set(ks[:1], [random_page()])
-        size = (await asyncio.to_thread(os.stat, page_path(root, ks[0]))).st_size
-        await probe.clear()
+    size = await page_file_size(root)
     async with await FileBackend.open(root, capacity_bytes=2 * size) as b:
         assert await b.batch_set(ks, [random_page() for _ in ks]) == [True, True, False]
         assert (await b.stats()).extra["bytes"] == 2 * size
@@ -277,10 +278,7 @@ async def test_capacity_is_per_backend_when_two_share_a_root(tmp_path: Path) -> 
     """As documented: each bounds what it knows, so the tree holds up to both capacities."""
     root = tmp_path / "store"
     ka, kb = keys(3), keys(3)
-    async with await FileBackend.open(root) as probe:
-        await probe.batch_set(ka[:1], [random_page()])
-        size = (await asyncio.to_thread(os.stat, page_path(root, ka[0]))).st_size
-        await probe.clear()
+    size = await page_file_size(root)
     a = await FileBackend.open(root, capacity_bytes=2 * size)
     b = await FileBackend.open(root, capacity_bytes=2 * size)
     async with a, b:
@@ -393,3 +391,40 @@ async def test_options_are_checked() -> None:
     ):
         with pytest.raises(ConfigError):
             FileBackend("/nonexistent-tiercache-root", **opts)  # type: ignore[arg-type]
+
+
+async def test_a_read_that_ends_after_its_page_was_removed_does_not_bring_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hit read before a delete or an eviction removed the file must not re-index it:
+    the index would claim the page, and the next write of it would be skipped."""
+    root = tmp_path / "store"
+    ks = keys(4)
+    size = await page_file_size(root)
+    # Threads to spare beside the two reads held midway.
+    async with await FileBackend.open(root, capacity_bytes=2 * size, max_concurrency=4) as b:
+        assert await b.batch_set(ks[:2], [random_page(), random_page()]) == [True, True]
+        real = FileBackend._read_job
+        read, release = threading.Barrier(3), threading.Event()
+
+        def slow_read(self: FileBackend, key: str, page: PageBuffer) -> object:
+            result = real(self, key, page)
+            read.wait(10)
+            release.wait(10)
+            return result
+
+        monkeypatch.setattr(FileBackend, "_read_job", slow_read)
+        dst = [PageBuffer.allocate(512, FORMAT) for _ in range(2)]
+        reading = asyncio.create_task(b.batch_get(ks[:2], dst))
+        await asyncio.to_thread(read.wait, 10)
+        assert await b.delete(ks[:1]) == 1
+        monkeypatch.undo()
+        assert await b.batch_set(ks[2:], [random_page(), random_page()]) == [True, True]
+        assert not await asyncio.to_thread(page_path(root, ks[1]).exists)
+        release.set()
+        assert await reading == [True, True]  # both were read whole before their removal
+        assert await b.batch_exists(ks[:1]) == 0
+        assert await b.batch_exists(ks[1:2]) == 0
+        assert (await b.stats()).extra["bytes"] == 2 * size
+        assert await b.batch_set(ks[:1], [random_page()]) == [True]
+        assert await asyncio.to_thread(page_path(root, ks[0]).exists)  # written, not skipped

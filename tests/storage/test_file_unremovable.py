@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.storage.storage_helpers import FORMAT, keys, random_page
+from tests.storage.storage_helpers import FORMAT, keys, page_file_size, random_page
 
 from tiercache.errors import StorageError
 from tiercache.memory import PageBuffer
@@ -96,10 +96,7 @@ async def test_eviction_and_delete_of_files_that_cannot_be_removed(
     ks = keys(3)
     while shard_dir(ks[2]) in (shard_dir(ks[0]), shard_dir(ks[1])):
         ks[2] = keys(1)[0]
-    async with await FileBackend.open(root) as probe:
-        await probe.batch_set(ks[:1], [random_page()])
-        size = (await asyncio.to_thread(os.stat, page_path(root, ks[0]))).st_size
-        await probe.clear()
+    size = await page_file_size(root)
     async with await FileBackend.open(root, capacity_bytes=2 * size) as b:
         assert await b.batch_set(ks[:2], [random_page(), random_page()]) == [True, True]
         read_only.append(page_path(root, ks[0]))

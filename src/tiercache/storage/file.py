@@ -93,7 +93,9 @@ from the tree (ordered by file mtime, so LRU survives a restart: with
 ``batch_exists`` counts indexed keys without IO and stats the first key it
 does not know (which adopts pages written by another process); a page deleted
 by another process stays in the index until a read misses it, and a miss in
-``batch_get`` is the truth. With ``capacity_bytes`` it is also the accounting:
+``batch_get`` is the truth. A read or a stat that found a file which this
+backend deleted, evicted or cleared before the lookup reported back does not
+index the key again (the read is still a hit: it had the whole file open). With ``capacity_bytes`` it is also the accounting:
 a write reserves its size first and evicts least-recently-used files until
 the total fits, so the tree stays under the bound even with writes in flight
 (a page that does not fit beside the writes in flight, those of its own
@@ -118,7 +120,7 @@ import shutil
 import stat
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +155,8 @@ _SUFFIX = ".page"
 _TMP_SUFFIX = ".tmp"
 #: A temporary file older than this is a crash leftover, removed on open.
 _STALE_TMP_S = 600.0
+#: Removals remembered for overlapping lookups before the older ones are pruned.
+_REMOVALS_KEPT = 4096
 #: writev takes at most IOV_MAX (1024 on Linux) buffers a call.
 _IOV_CHUNK = 512
 _HEX = frozenset("0123456789abcdef")
@@ -307,6 +311,12 @@ class FileBackend(StorageBackend):
         self._index: OrderedDict[str, int] = OrderedDict()
         self._used = 0  # bytes of the indexed pages and of the writes in flight
         self._in_flight = 0  # bytes reserved by writes in flight (bounded backends)
+        # Removals (delete, eviction, clear) that lookups in flight must not undo: a
+        # read or stat that found a file before it was removed reports it after.
+        self._removals = 0  # removal generation, +1 a removal
+        self._cleared_at = 0  # the generation of the last clear
+        self._removed_at: dict[str, int] = {}  # key -> its generation, while lookups run
+        self._lookups: Counter[int] = Counter()  # generations at which lookups in flight began
         self._started = False
         self._start_lock = asyncio.Lock()
         #: Whether unnamed temporary files (O_TMPFILE + linkat) work under root; set by start.
@@ -416,13 +426,17 @@ class FileBackend(StorageBackend):
             n += 1
         if n == len(ks):
             return n
+        since = self._begin_lookup()
         try:
             (found,) = await self._run([lambda: self._exists_job(ks[n:])])
+            for k, size in found:
+                if not self._removed_since(k, since):
+                    self._adopt(k, size)
         except OSError as e:
             self._stats.errors += 1
             raise StorageError(f"file backend: cannot check {self.root}: {e}") from e
-        for k, size in found:
-            self._adopt(k, size)
+        finally:
+            self._end_lookup(since)
         return n + len(found)
 
     async def batch_get(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
@@ -438,13 +452,17 @@ class FileBackend(StorageBackend):
         """
         ks = check_batch(keys, pages, targets=True)
         await self._ready()
-        results = await self._run_each(lambda i: self._read_job(ks[i], pages[i]), len(ks))
-        self._check_open()
-        failed: list[tuple[str, str]] = []
-        out = [
-            self._account_read(k, p.nbytes, r, failed)
-            for k, p, r in zip(ks, pages, results, strict=True)
-        ]
+        since = self._begin_lookup()
+        try:
+            results = await self._run_each(lambda i: self._read_job(ks[i], pages[i]), len(ks))
+            self._check_open()
+            failed: list[tuple[str, str]] = []
+            out = [
+                self._account_read(k, p.nbytes, r, failed, since)
+                for k, p, r in zip(ks, pages, results, strict=True)
+            ]
+        finally:
+            self._end_lookup(since)
         self._log_failures("read", failed, len(ks))
         self._stats.get_pages += len(ks)
         refused = next((r for r in results if r.status == "refused"), None)
@@ -479,6 +497,7 @@ class FileBackend(StorageBackend):
         await self._ready()
         for k in ks:
             self._forget(k)
+            self._note_removed(k)
         try:
             (n,) = await self._run([lambda: sum(_unlink(self._path(k)) for k in dict.fromkeys(ks))])
         except OSError as e:
@@ -490,6 +509,8 @@ class FileBackend(StorageBackend):
         await self._ready()
         self._index.clear()
         self._used = 0
+        self._removals += 1
+        self._cleared_at = self._removals
         try:
             await self._run([self._clear_job])
         except OSError as e:
@@ -574,13 +595,43 @@ class FileBackend(StorageBackend):
             k, size = self._index.popitem(last=False)
             self._used -= size
             self._stats.evictions += 1
+            self._note_removed(k)
             victims.append(k)
         return victims
 
+    def _begin_lookup(self) -> int:
+        """Note a read or stat starting now; returns the generation to give `_end_lookup`."""
+        self._lookups[self._removals] += 1
+        return self._removals
+
+    def _end_lookup(self, since: int) -> None:
+        self._lookups[since] -= 1
+        if not self._lookups[since]:
+            del self._lookups[since]
+        if not self._lookups:
+            self._removed_at.clear()
+        elif len(self._removed_at) > _REMOVALS_KEPT:  # lookups overlap without a pause
+            oldest = min(self._lookups)
+            self._removed_at = {k: g for k, g in self._removed_at.items() if g > oldest}
+
+    def _note_removed(self, key: str) -> None:
+        """``key``'s file is being removed: lookups in flight must not re-index it."""
+        self._removals += 1
+        if self._lookups:
+            self._removed_at[key] = self._removals
+
+    def _removed_since(self, key: str, since: int) -> bool:
+        """Whether ``key`` was deleted, evicted or cleared after generation ``since``."""
+        return self._cleared_at > since or self._removed_at.get(key, 0) > since
+
     def _account_read(
-        self, key: str, nbytes: int, r: _Result, failed: list[tuple[str, str]]
+        self, key: str, nbytes: int, r: _Result, failed: list[tuple[str, str]], since: int
     ) -> bool:
         """Fold one page read into the index and the stats; whether the page arrived.
+
+        A hit on a file removed (deleted, evicted) since generation ``since``,
+        when the read began, is still a hit (it was read whole), but the key
+        is not indexed again: its file is gone.
 
         ``stats.bytes_read`` counts the page's ``nbytes``, as every backend
         does (not the file's header); the index keeps the file's size.
@@ -588,8 +639,9 @@ class FileBackend(StorageBackend):
         A read that failed (not a miss, not damage) is added to ``failed``.
         """
         if r.status == "hit":
-            self._adopt(key, r.size)
-            self._index.move_to_end(key)
+            if key in self._index or not self._removed_since(key, since):
+                self._adopt(key, r.size)
+                self._index.move_to_end(key)
             self._stats.get_hits += 1
             self._stats.bytes_read += nbytes
             return True
