@@ -362,9 +362,10 @@ async def test_cancelled_batch_set_cancels_pending_pages_and_finishes_running_on
         release.wait(10)
         real_writev_all(fd, parts)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(file_module, "_writev_all", slow_writev_all)
     root = tmp_path / "store"
-    async with await FileBackend.open(root, max_concurrency=2) as b:
+    size = await page_file_size(root)
+    monkeypatch.setattr(file_module, "_writev_all", slow_writev_all)
+    async with await FileBackend.open(root, max_concurrency=2, capacity_bytes=20 * size) as b:
         ks = keys(10)
         task = asyncio.create_task(b.batch_set(ks, [random_page() for _ in ks]))
         await two_running.wait()
@@ -377,6 +378,9 @@ async def test_cancelled_batch_set_cancels_pending_pages_and_finishes_running_on
         assert len(entered) == 2  # the other eight never started
         files = await asyncio.to_thread(all_files, root)
         assert len(files) == 2 and not [f for f in files if f.name.endswith(".tmp")]
+        # The two written are indexed and counted: a capacity bounds them too.
+        s = await b.stats()
+        assert (s.extra["pages"], s.extra["bytes"], s.set_written) == (2, 2 * size, 2)
         monkeypatch.setattr(file_module, "_writev_all", real_writev_all)
         assert await b.batch_set(ks, [random_page() for _ in ks]) == [True] * len(ks)
         assert await b.batch_exists(ks) == len(ks)

@@ -83,7 +83,9 @@ batch costs one executor hop per worker rather than one per page or per
 system call. A page job that has started always finishes, which is what
 makes cancellation safe: a cancelled ``batch_get`` or ``batch_set`` starts
 no further page and returns only once the started ones are done, so no
-thread touches the caller's pages after it regains control.
+thread touches the caller's pages after it regains control. The pages a
+cancelled ``batch_set`` did write are indexed and counted like any other
+(the capacity bounds them).
 
 **The index.** The backend keeps, on the event loop thread, an ``OrderedDict``
 of key to file size in least-recently-used order: the scan at open fills it
@@ -475,20 +477,21 @@ class FileBackend(StorageBackend):
         await self._ready()
         out = [False] * len(ks)
         todo, victims = self._plan_writes(ks, pages, out)
+        # Filled as pages finish: a cancelled batch still indexes the pages it wrote.
+        results: list[_Result | None] = [None] * len(todo)
+        failed: list[tuple[str, str]] = []
         try:
             if victims:
                 await self._run([self._evict_job(victims)])
-            results = await self._run_each(
-                lambda j: self._write_job(ks[todo[j][0]], pages[todo[j][0]]), len(todo)
+            await self._run_each(
+                lambda j: self._write_job(ks[todo[j][0]], pages[todo[j][0]]), len(todo), results
             )
-        except BaseException:
-            self._release(sum(size for _, size in todo))
-            raise
-        failed: list[tuple[str, str]] = []
-        for (i, reserved), r in zip(todo, results, strict=True):
-            self._release(reserved)
-            out[i] = self._account_write(ks[i], pages[i].nbytes, reserved, r, failed)
-        self._log_failures("write", failed, len(ks))
+        finally:
+            for (i, reserved), r in zip(todo, results, strict=True):
+                self._release(reserved)
+                if r is not None:
+                    out[i] = self._account_write(ks[i], pages[i].nbytes, reserved, r, failed)
+            self._log_failures("write", failed, len(ks))
         self._stats.set_pages += len(ks)
         return out
 
@@ -761,21 +764,25 @@ class FileBackend(StorageBackend):
                 )
             raise
 
-    async def _run_each(self, job: Callable[[int], _T], n: int) -> list[_T]:
+    async def _run_each(
+        self, job: Callable[[int], _T], n: int, into: list[_T | None] | None = None
+    ) -> list[_T]:
         """``[job(0), ..., job(n - 1)]``, run on the backend's threads; all started ones finish.
 
         At most ``max_concurrency`` workers each take the next index until
         none is left: one executor hop per worker, not per page. Once the
         calling task is cancelled (the moment ``cancel()`` is called) or a job
         raises, no further index starts, and the running ones are waited for
-        before the exception propagates.
+        before the exception propagates. ``into`` (``n`` long), when given,
+        receives each result as its job returns, so a caller that is
+        cancelled still sees which jobs ran (the others stay ``None``).
         """
         if n == 0:
             return []
         loop = asyncio.get_running_loop()
         batch = _Batch(loop=loop)
         finished: asyncio.Future[None] = loop.create_future()
-        results: list[_T | None] = [None] * n
+        results: list[_T | None] = [None] * n if into is None else into
         counter = itertools.count()
         workers = min(self.max_concurrency, n)
         left = [workers]
