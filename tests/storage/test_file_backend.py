@@ -432,3 +432,28 @@ async def test_a_read_that_ends_after_its_page_was_removed_does_not_bring_it_bac
         assert (await b.stats()).extra["bytes"] == 2 * size
         assert await b.batch_set(ks[:1], [random_page()]) == [True]
         assert await asyncio.to_thread(page_path(root, ks[0]).exists)  # written, not skipped
+
+
+async def test_a_read_while_its_page_is_being_removed_does_not_bring_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that begins after a delete was asked for, and ends before the file is gone."""
+    root = tmp_path / "store"
+    ks = keys(1)
+    async with await FileBackend.open(root, max_concurrency=4) as b:
+        assert await b.batch_set(ks, [random_page()]) == [True]
+        real, unlinking, release = file_module._unlink, threading.Event(), threading.Event()
+
+        def slow_unlink(path: str | Path) -> bool:
+            unlinking.set()
+            release.wait(10)
+            return real(path)
+
+        monkeypatch.setattr(file_module, "_unlink", slow_unlink)
+        deleting = asyncio.create_task(b.delete(ks))
+        await asyncio.to_thread(unlinking.wait, 10)
+        assert await b.batch_get(ks, [PageBuffer.allocate(512, FORMAT)]) == [True]
+        release.set()
+        assert await deleting == 1
+        assert await b.batch_exists(ks) == 0
+        assert (await b.stats()).extra["pages"] == 0

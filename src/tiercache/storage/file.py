@@ -96,8 +96,8 @@ from the tree (ordered by file mtime, so LRU survives a restart: with
 does not know (which adopts pages written by another process); a page deleted
 by another process stays in the index until a read misses it, and a miss in
 ``batch_get`` is the truth. A read or a stat that found a file which this
-backend deleted, evicted or cleared before the lookup reported back does not
-index the key again (the read is still a hit: it had the whole file open). With ``capacity_bytes`` it is also the accounting:
+backend deleted, evicted or cleared before the lookup reported back, or is
+removing as it reports back, does not index the key again (the read is still a hit: it had the whole file open). With ``capacity_bytes`` it is also the accounting:
 a write reserves its size first and evicts least-recently-used files until
 the total fits, so the tree stays under the bound even with writes in flight
 (a page that does not fit beside the writes in flight, those of its own
@@ -319,6 +319,8 @@ class FileBackend(StorageBackend):
         self._cleared_at = 0  # the generation of the last clear
         self._removed_at: dict[str, int] = {}  # key -> its generation, while lookups run
         self._lookups: Counter[int] = Counter()  # generations at which lookups in flight began
+        self._removing: Counter[str] = Counter()  # keys whose files are being removed now
+        self._clearing = 0  # clears running now
         self._started = False
         self._start_lock = asyncio.Lock()
         #: Whether unnamed temporary files (O_TMPFILE + linkat) work under root; set by start.
@@ -482,7 +484,7 @@ class FileBackend(StorageBackend):
         failed: list[tuple[str, str]] = []
         try:
             if victims:
-                await self._run([self._evict_job(victims)])
+                await self._removing_keys(victims, self._evict_job(victims))
             await self._run_each(
                 lambda j: self._write_job(ks[todo[j][0]], pages[todo[j][0]]), len(todo), results
             )
@@ -500,9 +502,10 @@ class FileBackend(StorageBackend):
         await self._ready()
         for k in ks:
             self._forget(k)
-            self._note_removed(k)
         try:
-            (n,) = await self._run([lambda: sum(_unlink(self._path(k)) for k in dict.fromkeys(ks))])
+            (n,) = await self._removing_keys(
+                ks, lambda: sum(_unlink(self._path(k)) for k in dict.fromkeys(ks))
+            )
         except OSError as e:
             self._stats.errors += 1
             raise StorageError(f"file backend: cannot delete from {self.root}: {e}") from e
@@ -512,13 +515,16 @@ class FileBackend(StorageBackend):
         await self._ready()
         self._index.clear()
         self._used = 0
-        self._removals += 1
-        self._cleared_at = self._removals
+        self._note_cleared()
+        self._clearing += 1
         try:
             await self._run([self._clear_job])
         except OSError as e:
             self._stats.errors += 1
             raise StorageError(f"file backend: cannot clear {self.root}: {e}") from e
+        finally:
+            self._clearing -= 1
+            self._note_cleared()  # lookups that began while the files were being removed
 
     # --- raw access (tools and fault injection; not a hot path) ----------------------------
 
@@ -598,7 +604,6 @@ class FileBackend(StorageBackend):
             k, size = self._index.popitem(last=False)
             self._used -= size
             self._stats.evictions += 1
-            self._note_removed(k)
             victims.append(k)
         return victims
 
@@ -617,15 +622,42 @@ class FileBackend(StorageBackend):
             oldest = min(self._lookups)
             self._removed_at = {k: g for k, g in self._removed_at.items() if g > oldest}
 
+    async def _removing_keys(self, keys: Sequence[str], job: Callable[[], _T]) -> list[_T]:
+        """Run ``job``, which removes the files of ``keys``, so that no lookup re-indexes them.
+
+        A lookup that ends while the job runs, or that began before it ended,
+        found a file that is going or gone (see `_removed_since`).
+        """
+        for k in keys:
+            self._note_removed(k)
+        self._removing.update(keys)
+        try:
+            return await self._run([job])
+        finally:
+            self._removing.subtract(keys)
+            for k in keys:
+                if self._removing[k] <= 0:
+                    del self._removing[k]
+                self._note_removed(k)
+
     def _note_removed(self, key: str) -> None:
         """``key``'s file is being removed: lookups in flight must not re-index it."""
         self._removals += 1
         if self._lookups:
             self._removed_at[key] = self._removals
 
+    def _note_cleared(self) -> None:
+        self._removals += 1
+        self._cleared_at = self._removals
+
     def _removed_since(self, key: str, since: int) -> bool:
-        """Whether ``key`` was deleted, evicted or cleared after generation ``since``."""
-        return self._cleared_at > since or self._removed_at.get(key, 0) > since
+        """Whether ``key`` was deleted, evicted or cleared after generation ``since``, or is now."""
+        return (
+            self._clearing > 0
+            or key in self._removing
+            or self._cleared_at > since
+            or self._removed_at.get(key, 0) > since
+        )
 
     def _account_read(
         self, key: str, nbytes: int, r: _Result, failed: list[tuple[str, str]], since: int
