@@ -457,3 +457,40 @@ async def test_a_read_while_its_page_is_being_removed_does_not_bring_it_back(
         assert await deleting == 1
         assert await b.batch_exists(ks) == 0
         assert (await b.stats()).extra["pages"] == 0
+
+
+async def test_indexing_a_large_store_at_start_keeps_the_event_loop_turning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attaching a store of a million pages under a live loop must not stall it for the
+    time the index takes to fill."""
+    n = 500_000
+    found = [(f"0123456789abcdef-{i:064x}", 4608) for i in range(n)]
+    real_scan = FileBackend._scan_job
+
+    def scan(self: FileBackend) -> object:
+        real_scan(self)  # make the shards
+        return file_module._index_of(found), 0
+
+    monkeypatch.setattr(FileBackend, "_scan_job", scan)
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.01)
+    b = await FileBackend.open(tmp_path / "store")
+    await asyncio.sleep(0.01)  # the ticker records the gap that open left
+    ticker.cancel()
+    try:
+        s = await b.stats()
+        assert (s.extra["pages"], s.extra["bytes"]) == (n, n * 4608)
+        assert max(gaps) < 0.15, max(gaps)  # all at once: 0.3 s and more
+    finally:
+        await b.aclose()

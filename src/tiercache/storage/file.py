@@ -91,7 +91,9 @@ cancelled ``batch_set`` did write are indexed and counted like any other
 of key to file size in least-recently-used order: the scan at open fills it
 from the tree (ordered by file mtime, so LRU survives a restart: with
 ``capacity_bytes`` a read sets its file's mtime to now), writes, reads and
-``batch_exists`` keep it current. It is a positive cache:
+``batch_exists`` keep it current. It is built on a worker thread in steps
+the interpreter may switch between, so opening (or attaching at run time) a
+store of a million pages does not hold the event loop. It is a positive cache:
 ``batch_exists`` counts indexed keys without IO and stats the first key it
 does not know (which adopts pages written by another process); a page deleted
 by another process stays in the index until a read misses it, and a miss in
@@ -114,6 +116,7 @@ import asyncio
 import concurrent.futures
 import errno
 import hashlib
+import heapq
 import itertools
 import logging
 import os
@@ -123,7 +126,7 @@ import stat
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -383,21 +386,23 @@ class FileBackend(StorageBackend):
                 return
             loop = asyncio.get_running_loop()
             try:
+                # The index is built (and trimmed to the capacity) on a thread: a
+                # million pages would hold the event loop for a second.
                 found, removed = await loop.run_in_executor(self._pool, self._scan_job)
+                victims = await loop.run_in_executor(self._pool, _trim, found, self.capacity_bytes)
                 self._root_fd = await loop.run_in_executor(self._pool, self._open_root)
                 self._tmpfile = await loop.run_in_executor(self._pool, self._probe_tmpfile)
             except OSError as e:
                 raise StorageError(f"file backend: cannot open {self.root}: {e}") from e
-            for key, size in found:
-                self._index[key] = size
-                self._used += size
+            self._index, self._used = found.pages, found.used
+            self._stats.evictions += len(victims)
             self._started = True
             logger.debug(
                 "file backend %s: %d pages, %d bytes, %d stale temporary files removed",
-                self.root, len(found), self._used, removed,
+                self.root, len(found.pages), self._used, removed,
             )  # fmt: skip
-            if self.capacity_bytes is not None and self._used > self.capacity_bytes:
-                await self._run([self._evict_job(self._pick_victims(0))])
+            if victims:
+                await self._run([self._evict_job(victims)])
 
     async def aclose(self) -> None:
         """Close: no new calls, wait for the threads to finish. Idempotent."""
@@ -848,8 +853,7 @@ class FileBackend(StorageBackend):
         return results  # type: ignore[return-value]  # every index ran
 
     def _evict_job(self, victims: list[str]) -> Callable[[], Any]:
-        paths = [self._path(k) for k in victims]
-        return lambda: [_discard(p) for p in paths]
+        return lambda: [_discard(self._path(k)) for k in victims]
 
     # --- jobs: run on the backend's threads, never touch loop state -------------------------
 
@@ -1055,7 +1059,7 @@ class FileBackend(StorageBackend):
                 except FileExistsError:
                     pass  # another process made it, or a file stands there (writes report it)
 
-    def _scan_job(self) -> tuple[list[tuple[str, int]], int]:
+    def _scan_job(self) -> tuple[_Index, int]:
         """Make the shards; index ``*.page`` files oldest first; remove stale files.
 
         Stale: temporary files older than ten minutes, and format version 1
@@ -1063,11 +1067,15 @@ class FileBackend(StorageBackend):
         """
         self._make_shards()
         if not self.scan:
-            return [], 0
-        pages: list[tuple[float, str, int]] = []
+            return _index_of(()), 0
+        # One sorted run a shard, merged: no single sort of the whole tree, which
+        # would hold the GIL (and so the event loop) for as long as it takes.
+        runs: list[list[tuple[float, str, int]]] = []
         removed = 0
         stale_before = time.time() - _STALE_TMP_S
         for shard in self._shards():
+            pages: list[tuple[float, str, int]] = []
+            runs.append(pages)
             with os.scandir(shard) as it:
                 for e in it:
                     try:
@@ -1079,10 +1087,10 @@ class FileBackend(StorageBackend):
                             removed += _discard(e.path)
                     elif e.name.endswith(_SUFFIX) and stat.S_ISREG(st.st_mode):
                         pages.append((st.st_mtime, e.name[: -len(_SUFFIX)], st.st_size))
+            pages.sort()
             for old in _list_dirs(shard):  # the version 1 layout
                 removed += _remove_page_files(Path(old.path), rmdir=True, strict=False)
-        pages.sort()
-        return [(k, size) for _, k, size in pages], removed
+        return _index_of((k, size) for _, k, size in heapq.merge(*runs)), removed
 
     def _clear_job(self) -> None:
         # The shard directories stay: the next writes need them.
@@ -1090,6 +1098,39 @@ class FileBackend(StorageBackend):
             _remove_page_files(shard, rmdir=False, strict=True)
             for old in _list_dirs(shard):
                 _remove_page_files(Path(old.path), rmdir=True, strict=True)
+
+
+@dataclass(slots=True)
+class _Index:
+    """An index built off the loop: key to file size, least recently used first."""
+
+    pages: OrderedDict[str, int]
+    used: int
+
+
+def _index_of(pages: Iterable[tuple[str, int]]) -> _Index:
+    """The index of ``(key, file size)`` pairs, least recently used first.
+
+    A Python loop, not one ``OrderedDict(pages)`` call: the interpreter can
+    switch threads between its steps, so the event loop keeps turning while a
+    worker thread indexes a million pages.
+    """
+    index: OrderedDict[str, int] = OrderedDict()
+    used = 0
+    for k, size in pages:
+        index[k] = size
+        used += size
+    return _Index(index, used)
+
+
+def _trim(index: _Index, capacity: int | None) -> list[str]:
+    """Drop least-recently-used keys from ``index`` until it fits ``capacity``; the dropped keys."""
+    victims: list[str] = []
+    while capacity is not None and index.pages and index.used > capacity:
+        k, size = index.pages.popitem(last=False)
+        index.used -= size
+        victims.append(k)
+    return victims
 
 
 def _touch(fd: int) -> None:
