@@ -165,7 +165,7 @@ _BACKEND_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("read_bytes", "bytes_read", "Page bytes read."),
     ("written_bytes", "bytes_written", "Page bytes written."),
     ("corrupt_pages", "corrupt_pages", "Pages that failed their checks on read."),
-    ("evictions", "evictions", "Pages removed."),
+    ("evictions", "evictions", "Pages the backend evicted to make room."),
     ("errors", "errors", "Failed calls and failed commands."),
 )
 

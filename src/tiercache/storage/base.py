@@ -27,7 +27,12 @@ class BackendState(enum.Enum):
 
 @dataclass(slots=True)
 class BackendStats:
-    """Counters every backend keeps (a backend may add its own in ``extra``)."""
+    """Counters every backend keeps (a backend may add its own in ``extra``).
+
+    ``evictions`` counts the pages a backend dropped to stay within its own
+    capacity: never the ones ``delete`` or ``clear`` removed, nor damaged
+    pages dropped on read (those are ``corrupt_pages``).
+    """
 
     exists_calls: int = 0
     get_pages: int = 0

@@ -309,7 +309,9 @@ class RedisBackend(StorageBackend):
     caller's mistake: ``batch_get`` raises `InvalidInputError` before it
     writes any target, and every key stays. A page of a later format version
     (an upgraded process sharing the server) is a plain miss that stays.
-    A hit does not extend a key's time to live.
+    A hit does not extend a key's time to live. ``stats.evictions`` stays 0:
+    the server evicts (``maxmemory``) and expires keys without telling, and
+    a delete is no eviction.
 
     Large pages: a batch whose pages total more than `OFFLOAD_BYTES` (1 MiB)
     is checksummed, joined and verified in the loop's default executor, one
@@ -937,9 +939,7 @@ class RedisBackend(StorageBackend):
         replies = await self._pipeline(
             "delete", rkeys, lambda pipe, i: pipe.execute_command("UNLINK", rkeys[i])
         )
-        removed = sum(int(r) for r in replies if not isinstance(r, Exception))
-        self._stats.evictions += removed
-        return removed
+        return sum(int(r) for r in replies if not isinstance(r, Exception))
 
     async def clear(self) -> None:
         """Remove every key under the prefix: ``SCAN MATCH prefix*`` + ``UNLINK``, never ``FLUSHDB``.
