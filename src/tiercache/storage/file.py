@@ -37,8 +37,9 @@ opening the backend removes those older than ten minutes.
 
 **Damaged entries heal.** Anything other than a regular file standing where a
 page file should be (a directory, a fifo, a symbolic link, a socket) is a
-miss: a read removes it, counted as a corrupt page, and a write removes it
-and publishes the page in its place. Page files are opened with
+miss: a read removes it, counted as a corrupt page, a write removes it
+and publishes the page in its place, and ``delete`` removes it (no page
+deleted). Page files are opened with
 ``O_NOFOLLOW | O_NONBLOCK``, so a link is never followed and a fifo never
 blocks a thread.
 
@@ -509,7 +510,7 @@ class FileBackend(StorageBackend):
             self._forget(k)
         try:
             (n,) = await self._removing_keys(
-                ks, lambda: sum(_unlink(self._path(k)) for k in dict.fromkeys(ks))
+                ks, lambda: sum(_delete_entry(self._path(k)) for k in dict.fromkeys(ks))
             )
         except OSError as e:
             self._stats.errors += 1
@@ -1233,6 +1234,25 @@ def _is_page_file(path: str | Path) -> bool:
         return False
     if stat.S_ISREG(st.st_mode):
         return True
+    _remove_entry(path)
+    return False
+
+
+def _delete_entry(path: str) -> bool:
+    """Remove the page file at ``path``: whether one was there.
+
+    A damaged entry there (a directory, a link, a fifo) is removed too, best
+    effort, and is no page.
+
+    Raises:
+        OSError: a page file is there and cannot be removed.
+    """
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if stat.S_ISREG(st.st_mode):
+        return _unlink(path)
     _remove_entry(path)
     return False
 
