@@ -245,12 +245,15 @@ async def test_a_damaged_entry_is_a_miss_and_the_next_write_heals_it(
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))
-async def test_deleting_a_damaged_entry_removes_it(tmp_path: Path, kind: str) -> None:
+async def test_deleting_or_clearing_a_damaged_entry_removes_it(tmp_path: Path, kind: str) -> None:
     root = tmp_path / "store"
     (k,) = keys(1)
     async with await FileBackend.open(root) as b:
         await _damage(root, k, kind, b)
         assert await b.delete([k]) == 0  # no page was there
+        assert not await asyncio.to_thread(os.path.lexists, page_path(root, k))
+        await _damage(root, k, kind, b)
+        await b.clear()
         assert not await asyncio.to_thread(os.path.lexists, page_path(root, k))
 
 

@@ -38,10 +38,9 @@ opening the backend removes those older than ten minutes.
 **Damaged entries heal.** Anything other than a regular file standing where a
 page file should be (a directory, a fifo, a symbolic link, a socket) is a
 miss: a read removes it, counted as a corrupt page, a write removes it
-and publishes the page in its place, and ``delete`` removes it (no page
-deleted). Page files are opened with
-``O_NOFOLLOW | O_NONBLOCK``, so a link is never followed and a fifo never
-blocks a thread.
+and publishes the page in its place, and ``delete`` and ``clear`` remove it
+(no page deleted). Page files are opened with ``O_NOFOLLOW | O_NONBLOCK``,
+so a link is never followed and a fifo never blocks a thread.
 
 **A store that cannot remove files** (a read-only mount, another user's
 files) still opens and serves what it holds. Removal is best effort where
@@ -1172,15 +1171,26 @@ def _discard(path: str | Path) -> bool:
 def _remove_page_files(directory: Path, *, rmdir: bool, strict: bool) -> int:
     """Unlink the ``*.page`` and ``*.tmp`` files of ``directory`` (then the directory if empty).
 
-    ``strict``: a file that cannot be removed raises `OSError`; otherwise it
-    stays (the scan at start cleans up best effort: a read-only store still opens).
+    A damaged entry under such a name (a directory, a link, a fifo) is
+    removed too, best effort, and not counted. ``strict``: a file that cannot
+    be removed raises `OSError`; otherwise it stays (the scan at start cleans
+    up best effort: a read-only store still opens).
     """
     try:
         with os.scandir(directory) as it:
-            names = [e.path for e in it if e.name.endswith((_SUFFIX, _TMP_SUFFIX))]
+            entries = [
+                (e.path, e.is_file(follow_symlinks=False))
+                for e in it
+                if e.name.endswith((_SUFFIX, _TMP_SUFFIX))
+            ]
     except (FileNotFoundError, NotADirectoryError):
         return 0
-    n = sum((_unlink if strict else _discard)(p) for p in names)
+    n = 0
+    for path, regular in entries:
+        if regular:
+            n += (_unlink if strict else _discard)(path)
+        else:
+            _remove_entry(path)
     if rmdir:
         try:
             os.rmdir(directory)
