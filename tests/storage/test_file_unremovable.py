@@ -27,9 +27,13 @@ def page_path(root: Path, key: str) -> Path:
     return root / shard_dir(key) / f"{key}.page"
 
 
+def shards(ks: list[str]) -> set[str]:
+    return {shard_dir(k) for k in ks}
+
+
 @pytest.fixture
 def read_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Path]]:
-    """Removing anything under the roots appended to the yielded list fails with EROFS."""
+    """Removing or making anything under the roots appended to the list fails with EROFS."""
     roots: list[Path] = []
     real_unlink, real_rmdir = os.unlink, os.rmdir
 
@@ -43,6 +47,7 @@ def read_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Path]]:
 
     monkeypatch.setattr(os, "unlink", refuse(real_unlink))
     monkeypatch.setattr(os, "rmdir", refuse(real_rmdir))
+    monkeypatch.setattr(os, "mkdir", refuse(os.mkdir))
     yield roots
 
 
@@ -61,6 +66,8 @@ async def test_a_store_whose_leftovers_cannot_be_removed_still_opens_and_serves(
         await asyncio.to_thread(p.write_bytes, b"leftover")
     old = time.time() - 3600
     await asyncio.to_thread(os.utime, stale, (old, old))
+    empty = next(root / f"{i:02x}" for i in range(256) if f"{i:02x}" not in shards(ks))
+    await asyncio.to_thread(empty.rmdir)  # no shard there, and none can be made
     read_only.append(root)
     async with await FileBackend.open(root) as b:
         dst = [PageBuffer.allocate(512, FORMAT) for _ in ks]

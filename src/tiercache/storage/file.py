@@ -1058,6 +1058,8 @@ class FileBackend(StorageBackend):
                     os.mkdir(os.path.join(self.root, name), self.dir_mode)
                 except FileExistsError:
                     pass  # another process made it, or a file stands there (writes report it)
+                except OSError as e:  # a read-only store: it holds no page there anyway
+                    logger.debug("file backend %s: cannot make shard %s: %s", self.root, name, e)
 
     def _scan_job(self) -> tuple[_Index, int]:
         """Make the shards; index ``*.page`` files oldest first; remove stale files.
