@@ -297,6 +297,31 @@ async def test_server_errors_fail_single_pages(
     assert await backend.batch_set([key(1)], [page(1)]) == [True]
 
 
+async def test_a_refused_exists_is_counted_and_logged_not_a_silent_miss(
+    make_redis_backend: MakeRedisBackend,
+    redis_server: RedisServer,
+    raw: aioredis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server that refuses EXISTS (here an ACL without it) answers every lookup with an
+    error: counting that as 'not stored' without a word hides a store that never hits."""
+    user = f"noexists{os.getpid()}"
+    await raw.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "+@all", "-exists")
+    url = redis_server.url.replace("redis://", f"redis://{user}:pw@", 1)
+    backend = await make_redis_backend(url)
+    try:
+        ks = [key(i) for i in range(3)]
+        assert await backend.batch_set(ks, [page(i) for i in range(3)]) == [True] * 3
+        with caplog.at_level(logging.WARNING, logger="tiercache.storage.redis"):
+            assert await backend.batch_exists(ks) == 0
+        assert (await backend.stats()).errors == 3
+        assert "EXISTS failed for 3 of 3 pages" in caplog.text
+    finally:
+        await backend.clear()
+        await backend.aclose()
+        await raw.execute_command("ACL", "DELUSER", user)
+
+
 async def test_unix_socket_url(redis_server: RedisServer) -> None:
     async with await RedisBackend.from_url(
         redis_server.unix_url, prefix=unique_prefix("unix")

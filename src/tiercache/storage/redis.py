@@ -767,6 +767,14 @@ class RedisBackend(StorageBackend):
 
         rkeys = [self._rkey(k) for k in keys]
         replies = await self._pipeline("exists", rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
+        # A refused command (an ACL without EXISTS, ...) is a miss, but counted and
+        # logged: silently, a store that can never hit would look merely empty.
+        failed = [
+            (k, r)
+            for k, r in zip(keys, replies, strict=True)
+            if isinstance(r, Exception) and not isinstance(r, _NODE_FAILED)
+        ]
+        self._log_refused("EXISTS", failed, len(keys))
         hits = 0
         for r in replies:
             if isinstance(r, Exception) or not r:
