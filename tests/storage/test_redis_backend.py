@@ -297,26 +297,34 @@ async def test_server_errors_fail_single_pages(
     assert await backend.batch_set([key(1)], [page(1)]) == [True]
 
 
-async def test_a_refused_exists_is_counted_and_logged_not_a_silent_miss(
+@pytest.mark.parametrize("command", ["EXISTS", "UNLINK"])
+async def test_a_refused_lookup_or_delete_is_counted_and_logged_not_silent(
     make_redis_backend: MakeRedisBackend,
     redis_server: RedisServer,
     raw: aioredis.Redis,
     caplog: pytest.LogCaptureFixture,
+    command: str,
 ) -> None:
-    """A server that refuses EXISTS (here an ACL without it) answers every lookup with an
-    error: counting that as 'not stored' without a word hides a store that never hits."""
-    user = f"noexists{os.getpid()}"
-    await raw.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "+@all", "-exists")
+    """A server that refuses a command (here an ACL without it) answers each page with an
+    error: read silently as 'not stored' or 'not there', a store that never hits, or
+    damaged pages that are never dropped, would go unnoticed."""
+    user = f"no{command.lower()}{os.getpid()}"
+    deny = f"-{command.lower()}"
+    await raw.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "+@all", deny)
     url = redis_server.url.replace("redis://", f"redis://{user}:pw@", 1)
     backend = await make_redis_backend(url)
     try:
         ks = [key(i) for i in range(3)]
         assert await backend.batch_set(ks, [page(i) for i in range(3)]) == [True] * 3
         with caplog.at_level(logging.WARNING, logger="tiercache.storage.redis"):
-            assert await backend.batch_exists(ks) == 0
+            if command == "EXISTS":
+                assert await backend.batch_exists(ks) == 0
+            else:
+                assert await backend.delete(ks) == 0
         assert (await backend.stats()).errors == 3
-        assert "EXISTS failed for 3 of 3 pages" in caplog.text
+        assert f"{command} failed for 3 of 3 pages" in caplog.text
     finally:
+        await raw.execute_command("ACL", "SETUSER", user, "+@all")
         await backend.clear()
         await backend.aclose()
         await raw.execute_command("ACL", "DELUSER", user)

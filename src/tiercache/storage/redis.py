@@ -238,6 +238,15 @@ def _pack_values(keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[b
     return [b"".join(pack_page(k, p)) for k, p in zip(keys, pages, strict=True)]
 
 
+def _refused(keys: Sequence[PageKey], replies: Sequence[Any]) -> list[tuple[PageKey, Exception]]:
+    """The commands the server refused, with their keys (a failed cluster node is logged apart)."""
+    return [
+        (k, r)
+        for k, r in zip(keys, replies, strict=True)
+        if isinstance(r, Exception) and not isinstance(r, _NODE_FAILED)
+    ]
+
+
 def _is_wrong_type(reply: object) -> bool:
     """Whether a command's reply says the key holds a list, hash, ... instead of a string."""
     return isinstance(reply, redis_errors.ResponseError) and str(reply).startswith("WRONGTYPE")
@@ -769,11 +778,7 @@ class RedisBackend(StorageBackend):
         replies = await self._pipeline("exists", rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
         # A refused command (an ACL without EXISTS, ...) is a miss, but counted and
         # logged: silently, a store that can never hit would look merely empty.
-        failed = [
-            (k, r)
-            for k, r in zip(keys, replies, strict=True)
-            if isinstance(r, Exception) and not isinstance(r, _NODE_FAILED)
-        ]
+        failed = _refused(keys, replies)
         self._log_refused("EXISTS", failed, len(keys))
         hits = 0
         for r in replies:
@@ -937,7 +942,10 @@ class RedisBackend(StorageBackend):
         return stored
 
     async def delete(self, keys: Sequence[PageKey]) -> int:
-        """``UNLINK`` the keys (one pipeline); returns how many existed."""
+        """``UNLINK`` the keys (one pipeline); returns how many existed.
+
+        A command the server refuses is counted in ``stats.errors`` (one warning a batch).
+        """
         self._check_open()
         keys = check_batch(keys)
         if not keys:
@@ -947,6 +955,8 @@ class RedisBackend(StorageBackend):
         replies = await self._pipeline(
             "delete", rkeys, lambda pipe, i: pipe.execute_command("UNLINK", rkeys[i])
         )
+        failed = _refused(keys, replies)
+        self._log_refused("UNLINK", failed, len(keys))
         return sum(int(r) for r in replies if not isinstance(r, Exception))
 
     async def clear(self) -> None:
