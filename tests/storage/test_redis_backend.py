@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import struct
 import threading
 from collections.abc import AsyncIterator
 
@@ -218,6 +219,26 @@ async def test_corrupt_value_is_a_miss_and_deleted(
     assert key(1) in caplog.text
     assert await backend.batch_set([key(1)], [good]) == [True]
     assert await backend.batch_get([key(1)], [targets[0]]) == [True]
+
+
+async def test_a_page_of_an_older_format_version_is_a_quiet_miss_and_dropped(
+    make_redis_backend: MakeRedisBackend,
+    raw: aioredis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As in the file backend: after an upgrade, older pages are stale, not damage."""
+    backend = await make_redis_backend()
+    old = bytearray(b"".join(pack_page(key(1), page(1))))
+    struct.pack_into("<H", old, 4, 2)  # format version 2
+    await raw.set(backend.prefix + key(1), bytes(old))
+    with caplog.at_level(logging.DEBUG, logger="tiercache.storage.redis"):
+        assert await backend.batch_get([key(1)], [blank()]) == [False]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    s = await backend.stats()
+    assert (s.corrupt_pages, s.errors) == (0, 0)
+    assert await raw.exists(backend.prefix + key(1)) == 0  # dropped: the next write replaces it
+    assert await backend.batch_set([key(1)], [page(1)]) == [True]
+    assert await backend.batch_get([key(1)], [blank()]) == [True]
 
 
 async def test_large_pages_are_checked_off_the_loop(

@@ -45,6 +45,7 @@ from tiercache.storage.format import (
     check_header,
     decode_header,
     is_newer_version,
+    is_older_version,
     pack_page,
     unpack_page,
 )
@@ -260,8 +261,10 @@ def _unpack_values(
     Every header is checked against its target before any page is written.
 
     Returns:
-        Per page ``True`` (copied), ``False`` (no value) or the reason it
-        failed its checks (the page is left untouched).
+        Per page ``True`` (copied), ``False`` (no value, or a page of a newer
+        format version), ``None`` (a page of an older format version: stale,
+        to drop quietly) or the reason it failed its checks (the page is
+        left untouched).
 
     Raises:
         InvalidInputError: an intact page of another format or length than
@@ -271,6 +274,9 @@ def _unpack_values(
     for key, blob, page in zip(keys, blobs, pages, strict=True):
         if blob is None or is_newer_version(blob):  # newer: an upgraded writer's, kept
             out.append(False)
+            continue
+        if is_older_version(blob):
+            out.append(None)
             continue
         try:
             check_header(decode_header(blob), key, page)
@@ -316,8 +322,10 @@ class RedisBackend(StorageBackend):
     the read and the delete would be lost, which costs a miss, never wrong KV).
     An intact page read into a target of another format or length is the
     caller's mistake: ``batch_get`` raises `InvalidInputError` before it
-    writes any target, and every key stays. A page of a later format version
-    (an upgraded process sharing the server) is a plain miss that stays.
+    writes any target, and every key stays. A page of an older format
+    version is a quiet miss (not counted as damage) and is deleted, so the
+    next write replaces it; one of a later version (an upgraded process
+    sharing the server) is a plain miss that stays.
     A hit does not extend a key's time to live. ``stats.evictions`` stays 0:
     the server evicts (``maxmemory``) and expires keys without telling, and
     a delete is no eviction.
@@ -873,7 +881,11 @@ class RedisBackend(StorageBackend):
         pages: Sequence[PageBuffer],
         outcome: Sequence[str | None | bool],
     ) -> tuple[list[bool], list[PageKey]]:
-        """Count a read's outcome in the stats: (per page whether it arrived, the corrupt keys)."""
+        """Count a read's outcome in the stats: (per page whether it arrived, the keys to drop).
+
+        The keys to drop are the damaged pages and, quietly (not damage), the
+        stale ones of an older format version.
+        """
         arrived: list[bool] = []
         corrupt: list[PageKey] = []
         for k, page, o in zip(keys, pages, outcome, strict=True):
@@ -881,6 +893,11 @@ class RedisBackend(StorageBackend):
             if o is True:
                 self._stats.get_hits += 1
                 self._stats.bytes_read += page.nbytes
+            elif o is None:
+                logger.debug(
+                    "redis backend %s: page %s is of an older format version", self._url_display, k
+                )
+                corrupt.append(k)
             elif isinstance(o, str):
                 logger.warning(
                     "redis backend %s: page %s failed its checks, dropping it: %s",
