@@ -327,3 +327,12 @@ def test_from_toml_refuses_what_is_not_a_path_and_leaves_file_descriptors_alone(
 def test_from_env_refuses_an_environ_that_is_not_a_mapping(environ: object) -> None:
     with pytest.raises(ConfigError, match="environ must be a mapping"):
         TierCacheConfig.from_env(environ)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("raw", ["capacity_bytes", "=1", "a=1,fsync"])
+def test_env_storage_options_error_says_what_form_is_expected(raw: str) -> None:
+    """The error names the variable and the part that is not ``key=value``, not a type name."""
+    with pytest.raises(ConfigError, match="is not key=value,key=value") as e:
+        TierCacheConfig.from_env({"TIERCACHE_STORAGE_OPTIONS": raw})
+    assert "TIERCACHE_STORAGE_OPTIONS" in str(e.value)
+    assert "Mapping" not in str(e.value)

@@ -410,5 +410,7 @@ def _parse_env(name: str, type_name: str, raw: str) -> Any:
         if type_name.startswith("float"):
             return float(text)
         return text
+    except ConfigError:
+        raise  # already says what is wrong (a ConfigError is a ValueError too)
     except ValueError as e:
         raise ConfigError(f"TIERCACHE_{name.upper()}={raw!r} is not a valid {type_name}") from e
