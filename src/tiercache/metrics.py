@@ -73,7 +73,10 @@ that needs the loop.
 
 One collector per registry: two collectors in one registry would export the
 same names. Give each its own registry, or tell them apart with ``labels`` and
-register them in separate registries served on separate ports.
+register them in separate registries served on separate ports. The histograms
+are fed through `tiercache.observe`, whose sinks are process-wide: with two
+caches in one process, each collector's histograms record the copies and
+storage calls of both (the counters and gauges are its own source's).
 """
 
 from __future__ import annotations
