@@ -143,3 +143,19 @@ def test_demo_refuses_a_file_as_its_dir(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["demo", "--quick", "--no-progress", "--dir", str(target)]) == 2
     assert "is not a directory" in capsys.readouterr().err
     assert target.read_text() == "keep me"
+
+
+@pytest.mark.allow_blocking
+def test_inspect_takes_the_storage_url_of_a_file_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The ``storage_url`` an operator configured names the same store as its path."""
+    import asyncio
+
+    asyncio.run(_fill(tmp_path, "model-a", 2))
+    for url in (f"file://{tmp_path}", f"file://localhost{tmp_path}", f"file://{tmp_path}?fsync=1"):
+        assert main(["inspect", url]) == 0
+        assert "pages: 2" in capsys.readouterr().out
+    for bad in ("redis://localhost:6379/0", f"file://otherhost{tmp_path}"):
+        assert main(["inspect", bad]) == 2
+        assert bad in capsys.readouterr().err

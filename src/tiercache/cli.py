@@ -16,6 +16,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import tiercache
 from tiercache.errors import ConfigError, StorageCorruptionError
@@ -190,10 +191,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return int(bench_main(argv))
 
 
+def _store_root(text: str) -> Path:
+    """The directory ``text`` names: a path, or a file store URL as in ``storage_url``.
+
+    Raises:
+        ConfigError: a URL of another scheme, of a remote host, or without a path.
+    """
+    parts = urlsplit(text)
+    if len(parts.scheme) < 2:  # a path (a one-letter scheme is a Windows drive)
+        return Path(text)
+    if parts.scheme != "file":
+        raise ConfigError(f"{text!r} is not a file store: inspect reads file stores only")
+    if parts.netloc not in ("", "localhost") or not parts.path:
+        raise ConfigError(f"{text!r}: use file:///abs/path or file:relative/path")
+    return Path(unquote(parts.path))
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     try:
-        info = inspect_store(Path(args.path))
-    except FileNotFoundError as e:
+        info = inspect_store(_store_root(args.path))
+    except (FileNotFoundError, ConfigError) as e:
         print(f"tiercache inspect: {e}", file=sys.stderr)
         return 2
     print(f"store: {info['root']}")
@@ -276,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Count the pages and bytes of a file store, per key namespace and page format, "
         "reading only each page file's header.",
     )
-    insp.add_argument("path", help="the file store's root directory")
+    insp.add_argument("path", help="the file store's root directory, or its file:// storage URL")
     insp.set_defaults(func=_cmd_inspect)
     return parser
 
