@@ -121,3 +121,30 @@ async def test_fp16_logits_after_reload_match_recompute_within_tolerance(
     assert k == 96
     torch.testing.assert_close(logits, ref, rtol=0, atol=2e-2)
     assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("unrelated", ["notes.txt", "sub/data.db"])
+def test_demo_does_not_empty_a_store_folder_it_did_not_fill(
+    tmp_path: Path, unrelated: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--dir`` pointed at a folder whose ``store`` holds other files: exit 2, nothing deleted."""
+    from tiercache.cli import main
+
+    kept = tmp_path / "store" / unrelated
+    kept.parent.mkdir(parents=True)
+    kept.write_text("keep me")
+    assert main(["demo", "--quick", "--no-progress", "--dir", str(tmp_path)]) == 2
+    assert kept.read_text() == "keep me"
+    assert unrelated in capsys.readouterr().err
+    assert not (tmp_path / "demo.json").exists()
+
+
+def test_demo_empties_a_store_of_pages_only(tmp_path: Path) -> None:
+    """What a file store leaves (pages, pages being written, their folders) is the demo's to empty."""
+    from tiercache.demo import _check_only_pages
+
+    _check_only_pages(tmp_path / "store")  # absent
+    (tmp_path / "store" / "ab").mkdir(parents=True)
+    (tmp_path / "store" / "ab" / "ns-abcdef.page").write_bytes(b"x")
+    (tmp_path / "store" / "ab" / ".ns-abcdef.page.1.tmp").write_bytes(b"x")
+    _check_only_pages(tmp_path / "store")

@@ -246,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--dir",
         default="tiercache-demo",
-        help="output folder and file store (default: %(default)s)",
+        help="output folder; its store/ subfolder is the file store, emptied first, and a "
+        "store/ holding other files is refused (default: %(default)s)",
     )
     demo.add_argument(
         "--clients",

@@ -523,7 +523,9 @@ async def run_demo(
     """Run the four configurations; returns the report (also written to ``<directory>/demo.json``).
 
     The file store lives in ``<directory>/store`` and is emptied first, so the
-    ``all_tiers`` numbers always come from this run's own fill.
+    ``all_tiers`` numbers always come from this run's own fill; a ``store``
+    folder there that holds anything but file store pages is left alone and
+    the demo refuses to run.
 
     Args:
         directory: output folder (``demo.json``, ``demo.png``, the file store).
@@ -539,7 +541,8 @@ async def run_demo(
 
     Raises:
         ConfigError: ``metrics_port`` was given and prometheus_client is
-            missing or the port cannot be bound.
+            missing or the port cannot be bound, or ``<directory>/store``
+            holds something other than file store pages.
     """
     store = directory / "store"
     metrics = _MetricsServer(metrics_port, metrics_addr) if metrics_port is not None else None
@@ -550,6 +553,28 @@ async def run_demo(
     finally:
         if metrics is not None:
             await metrics.stop()
+
+
+def _check_only_pages(store: Path) -> None:
+    """Refuse to empty ``store`` unless it holds only what a file store writes there.
+
+    The demo empties ``<directory>/store`` before each run; a folder of that
+    name that holds anything else is not the demo's to delete.
+
+    Raises:
+        ConfigError: ``store`` is not a directory, or holds a file that is
+            not a page (``*.page``) or a page being written (``*.tmp``).
+    """
+    if not store.exists() and not store.is_symlink():
+        return
+    if store.is_symlink() or not store.is_dir():
+        raise ConfigError(f"{store} is not a folder the demo made: not removing it")
+    for path in store.rglob("*"):
+        if path.is_symlink() or not (path.is_dir() or path.name.endswith((".page", ".tmp"))):
+            raise ConfigError(
+                f"{store} holds {path.relative_to(store)}, which is not a file store page: "
+                "not emptying it (choose another directory)"
+            )
 
 
 async def _run_demo(
@@ -563,6 +588,7 @@ async def _run_demo(
 
     def prepare() -> None:
         directory.mkdir(parents=True, exist_ok=True)
+        _check_only_pages(store)
         shutil.rmtree(store, ignore_errors=True)
 
     await asyncio.to_thread(prepare)
