@@ -167,16 +167,20 @@ def _config(**kw: Any) -> TierCacheConfig:
     )
 
 
+async def _insert(cache: TierCache, tokens: list[int]) -> None:
+    """Compute and commit ``tokens`` as one new request, then wait for its copies."""
+    async with cache.request(tokens) as req:
+        await req.commit(tokens, await req.alloc(len(tokens)))
+    await cache.wait_idle()
+
+
 async def test_collector_reads_stats_on_the_cache_loop_at_scrape_time() -> None:
     registry = CollectorRegistry()
     async with TierCache(_config(storage_url="memory://")) as cache:
         collector = tiercache.metrics.register(cache, registry, labels={"engine": "test"})
         try:
             tokens = list(range(16))
-            async with cache.request(tokens) as req:
-                new = await req.alloc(len(tokens))
-                await req.commit(tokens, new)
-            await cache.wait_idle()
+            await _insert(cache, tokens)
             async with cache.request(tokens) as req:
                 assert req.cached_tokens > 0
             # Scrape from another thread: stats() runs on this loop meanwhile.
@@ -425,3 +429,41 @@ def test_cli_demo_with_a_taken_metrics_port_says_so(
         rc = main(["demo", "--quick", "--dir", str(tmp_path), "--metrics-port", str(port)])
     assert rc == 2
     assert f"cannot serve metrics on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def _histogram_counts(registry: CollectorRegistry) -> dict[str, float]:
+    """Observation counts of the copy and storage-call histograms, summed over labels."""
+    samples = _parse(generate_latest(registry).decode())
+    out = {"copy": 0.0, "storage": 0.0}
+    for (name, _), value in samples.items():
+        if name == "tiercache_copy_duration_seconds_count":
+            out["copy"] += value
+        elif name == "tiercache_storage_call_duration_seconds_count":
+            out["storage"] += value
+    return out
+
+
+async def test_two_caches_in_one_process_each_time_only_their_own_work() -> None:
+    """A collector's copy and storage histograms hold its cache's timings, not the other's."""
+    ra, rb = CollectorRegistry(), CollectorRegistry()
+    async with (
+        TierCache(_config(storage_url="memory://", prefetch_threshold=4)) as a,
+        TierCache(_config(storage_url="memory://", prefetch_threshold=4)) as b,
+    ):
+        ca = tiercache.metrics.register(a, ra, labels={"instance": "a"}, watch_loop=False)
+        cb = tiercache.metrics.register(b, rb, labels={"instance": "b"}, watch_loop=False)
+        try:
+            tokens = list(range(32))
+            await _insert(a, tokens)
+            await a.flush()
+            async with a.request(tokens) as req:
+                await req.wait_loaded()
+            await a.wait_idle()
+            assert a.stats().bytes_device_to_host > 0 and a.stats().bytes_storage_read > 0
+            assert b.stats().requests == 0
+            counts_a, counts_b = _histogram_counts(ra), _histogram_counts(rb)
+            assert counts_a["copy"] > 0 and counts_a["storage"] > 0
+            assert counts_b == {"copy": 0.0, "storage": 0.0}
+        finally:
+            await ca.aclose()
+            await cb.aclose()

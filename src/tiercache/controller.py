@@ -661,8 +661,8 @@ class TierController(AsyncResource):
             raise ClosedError("the controller was closed; create a new one")
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
-        self._write_stream = CopyStream("write", self.device_pool.device)
-        self._load_stream = CopyStream("load", self.device_pool.device)
+        self._write_stream = CopyStream("write", self.device_pool.device, source=self)
+        self._load_stream = CopyStream("load", self.device_pool.device, source=self)
         self.state = ControllerState.OPEN
         return self
 
@@ -1559,6 +1559,7 @@ class TierController(AsyncResource):
                     owns_backend=owns,
                     tp_group=self.tp_group,
                     write_enabled=not (self.layout.mla and self.namespace.tp_rank != 0),
+                    source=self,
                 )
             except BaseException:
                 if owns:

@@ -73,10 +73,10 @@ that needs the loop.
 
 One collector per registry: two collectors in one registry would export the
 same names. Give each its own registry, or tell them apart with ``labels`` and
-register them in separate registries served on separate ports. The histograms
-are fed through `tiercache.observe`, whose sinks are process-wide: with two
-caches in one process, each collector's histograms record the copies and
-storage calls of both (the counters and gauges are its own source's).
+register them in separate registries served on separate ports. A collector
+over an open cache records that cache's copies and storage calls only; one
+over a storage backend, or over a cache not open yet, records every copy and
+storage call in the process (`tiercache.observe`).
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from tiercache import observe
+from tiercache.errors import TierCacheError
 
 try:
     from prometheus_client import CollectorRegistry, Histogram
@@ -322,7 +323,8 @@ class TierCacheCollector(Collector):
         TypeError: ``source`` has no callable ``stats``.
         ValueError: ``scrape_timeout_s`` is not positive.
 
-    The collector adds itself as a `tiercache.observe` sink when created;
+    The collector adds itself as a `tiercache.observe` sink when created (of
+    an open cache's timings only, else of every timing in the process);
     `close` / `aclose` remove it, unregister it and stop the loop sampler.
     """
 
@@ -376,7 +378,7 @@ class TierCacheCollector(Collector):
         self._lag_loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._closed = False
-        observe.add_sink(self)
+        observe.add_sink(self, source=_observe_source(source))
 
     # -- the latency sink ------------------------------------------------------
 
@@ -544,6 +546,21 @@ class TierCacheCollector(Collector):
 
     def __repr__(self) -> str:
         return f"TierCacheCollector({self.source!r}, labels={self.labels!r})"
+
+
+def _observe_source(source: Any) -> object | None:
+    """The `tiercache.observe` source whose timings belong to ``source``.
+
+    An open `TierCache`'s copy streams and storage tier report as its
+    controller; anything else (a storage backend, a cache not open yet) has
+    none, and its collector records every timing in the process.
+    """
+    from tiercache.cache import TierCache
+
+    if isinstance(source, TierCache):
+        with contextlib.suppress(TierCacheError):
+            return source.controller
+    return None
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:

@@ -9,8 +9,10 @@ its caller was cancelled).
 
 A sink is any object with an ``observe`` method (`LatencySink`);
 `tiercache.metrics.TierCacheCollector` is one. With no sink added, `observe`
-costs one tuple check. Sinks are process-wide: they see the observations of
-every cache in the process.
+costs one tuple check. A sink added without a ``source`` sees the
+observations of every cache in the process; one added with
+``source=cache.controller`` sees only that cache's (its copy streams and its
+storage tier report with their controller as the source).
 
 `observe` is called from the event loop (storage calls) and from copy stream
 worker threads (copies), so a sink must be thread-safe and must not block.
@@ -34,33 +36,44 @@ class LatencySink(Protocol):
         """
 
 
-_sinks: tuple[LatencySink, ...] = ()
+# (sink, the source it listens to or None for every source)
+_sinks: tuple[tuple[LatencySink, object | None], ...] = ()
 _lock = threading.Lock()
 
 
-def add_sink(sink: LatencySink) -> None:
-    """Send every later observation to ``sink`` too (adding one twice adds it once)."""
+def add_sink(sink: LatencySink, *, source: object | None = None) -> None:
+    """Send every later observation of ``source`` (``None``: of any source) to ``sink`` too.
+
+    Adding a sink that is already added changes nothing.
+    """
     global _sinks
     with _lock:
-        if sink not in _sinks:
-            _sinks = (*_sinks, sink)
+        if all(s is not sink for s, _ in _sinks):
+            _sinks = (*_sinks, (sink, source))
 
 
 def remove_sink(sink: LatencySink) -> None:
     """Stop sending observations to ``sink`` (no error when it was not added)."""
     global _sinks
     with _lock:
-        _sinks = tuple(s for s in _sinks if s is not sink)
+        _sinks = tuple((s, src) for s, src in _sinks if s is not sink)
 
 
 def sinks() -> tuple[LatencySink, ...]:
     """The sinks observations go to now."""
-    return _sinks
+    return tuple(s for s, _ in _sinks)
 
 
-def observe(kind: str, op: str, seconds: float, outcome: str = "ok") -> None:
-    """Hand one timing to every sink. Any thread; a sink that raises is ignored."""
-    for sink in _sinks:
+def observe(
+    kind: str, op: str, seconds: float, outcome: str = "ok", *, source: object | None = None
+) -> None:
+    """Hand one timing of ``source`` to the sinks that listen to it. Any thread.
+
+    A sink that raises is ignored.
+    """
+    for sink, wanted in _sinks:
+        if wanted is not None and wanted is not source:
+            continue
         try:
             sink.observe(kind, op, seconds, outcome)
         except Exception:  # a broken sink must never break a copy or a storage call

@@ -81,10 +81,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _observe_call(what: str, task: asyncio.Future[Any], seconds: float) -> None:
+def _observe_call(what: str, task: asyncio.Future[Any], seconds: float, source: object) -> None:
     """Report one backend call's latency and outcome to `tiercache.observe`."""
     outcome = "cancelled" if task.cancelled() else "error" if task.exception() else "ok"
-    observe("storage", what, seconds, outcome)
+    observe("storage", what, seconds, outcome, source=source)
 
 
 class _Abstain:
@@ -593,6 +593,8 @@ class StorageTier:
         owns_backend: close ``backend`` at `stop`.
         tp_group: a ``torch.distributed`` group over the TP ranks (hit counts agree by MIN).
         write_enabled: false on the TP ranks that do not write (MLA: rank 0 writes).
+        source: the source of the tier's call timings in `tiercache.observe`
+            (the controller, so that one cache's collector sees only its calls).
 
     Raises:
         ConfigError: an unusable ``tp_group``.
@@ -609,8 +611,11 @@ class StorageTier:
         owns_backend: bool,
         tp_group: Any = None,
         write_enabled: bool = True,
+        source: object | None = None,
     ) -> None:
         self.slots = slots
+        #: Who the tier's call timings belong to (`tiercache.observe`): its controller.
+        self.source = source
         self.tasks = tasks
         self.backend = backend
         self.namespace = namespace
@@ -707,7 +712,9 @@ class StorageTier:
             raise BackendUnavailableError("the storage backend is down; a probe is retrying it")
         task = asyncio.ensure_future(coro)
         t0 = time.perf_counter()
-        task.add_done_callback(lambda t: _observe_call(what, t, time.perf_counter() - t0))
+        task.add_done_callback(
+            lambda t: _observe_call(what, t, time.perf_counter() - t0, self.source)
+        )
         try:
             result = check(await bounded(task, self.config.timeout_s))
         except TimeoutError:

@@ -101,9 +101,11 @@ class CopyStream:
             device must carry its index.
     """
 
-    def __init__(self, name: str, device: torch.device) -> None:
+    def __init__(self, name: str, device: torch.device, *, source: object | None = None) -> None:
         self.name = name
         self.device = device
+        #: Who the stream's timings belong to (`tiercache.observe`): its controller.
+        self.source = source
         self.is_cuda = device.type == "cuda"
         self.cuda_stream: torch.cuda.Stream | None = (
             torch.cuda.Stream(device) if self.is_cuda else None  # type: ignore[no-untyped-call]
@@ -156,7 +158,7 @@ class CopyStream:
             if done is not None:
                 self._settle_steps(done)
         finally:
-            observe("copy", self.name, time.perf_counter() - started)
+            observe("copy", self.name, time.perf_counter() - started, source=self.source)
 
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
@@ -208,7 +210,7 @@ class CopyStream:
         return Completion() if done is None else done
 
     def _job_finished(self, started: float) -> None:
-        observe("copy", self.name, time.perf_counter() - started)
+        observe("copy", self.name, time.perf_counter() - started, source=self.source)
         with self._lock:
             self._pending -= 1
 
