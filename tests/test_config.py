@@ -6,6 +6,7 @@ import copy
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -336,3 +337,24 @@ def test_env_storage_options_error_says_what_form_is_expected(raw: str) -> None:
         TierCacheConfig.from_env({"TIERCACHE_STORAGE_OPTIONS": raw})
     assert "TIERCACHE_STORAGE_OPTIONS" in str(e.value)
     assert "Mapping" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"host_size_bytes": 1000}, "host_size_bytes"),
+        ({"host_ratio": 0}, "host_ratio"),
+        ({"host_ratio": 0.001, "device_tokens": 1024}, "host_ratio"),
+    ],
+)
+def test_a_host_pool_smaller_than_a_page_is_refused(kwargs: dict[str, Any], field: str) -> None:
+    """A host size that holds no page was rounded up to one page without a word."""
+    with pytest.raises(ConfigError, match=field):
+        TierCacheConfig(**kwargs)
+
+
+def test_host_ratio_does_not_matter_when_another_field_sizes_the_host() -> None:
+    page_bytes = TierCacheConfig().layout().page_bytes
+    assert TierCacheConfig(host_ratio=0, host_tokens=16).resolved_host_tokens() == 16
+    c = TierCacheConfig(host_ratio=0, host_size_bytes=page_bytes)
+    assert c.resolved_host_tokens() == c.page_size

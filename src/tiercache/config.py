@@ -106,7 +106,9 @@ class TierCacheConfig:
         device: ``"cpu"`` or a CUDA device for L1.
         device_tokens: token slots in the device pool.
         host_tokens: token slots in the host pool; or ``host_size_bytes``; or
-        ``host_ratio`` times ``device_tokens`` (default 2.0, as SGLang).
+        ``host_ratio`` times ``device_tokens`` (default 2.0, as SGLang). Whole
+        pages, rounded down; the one that sizes the pool must give at least
+        one page.
         host_layout: ``"layer_first"`` or ``"page_first"``.
 
     Policies:
@@ -198,9 +200,10 @@ class TierCacheConfig:
         self._check_names()
         self._check_sizes()
         try:
-            self.layout()
+            layout = self.layout()
         except TierCacheError as e:
             raise ConfigError(str(e)) from e
+        self._check_host_size(layout.page_bytes)
 
     def _check_numbers(self) -> None:
         """Each field of `_INT_FIELDS` and `_NUMBER_FIELDS` by its rule (ints stored as ``int``)."""
@@ -258,6 +261,22 @@ class TierCacheConfig:
             "storage_reconnect_backoff_max_s",
         )
 
+    def _check_host_size(self, page_bytes: int) -> None:
+        """The field that sizes the host pool gives it at least one page (never rounded up)."""
+        if self.host_tokens is not None:
+            return  # a positive multiple of page_size
+        if self.host_size_bytes is not None:
+            if self.host_size_bytes < page_bytes:
+                raise ConfigError(
+                    f"host_size_bytes={self.host_size_bytes} is less than one page "
+                    f"({page_bytes} bytes)"
+                )
+        elif int(self.device_tokens * self.host_ratio) < self.page_size:
+            raise ConfigError(
+                f"host_ratio={self.host_ratio} gives the host pool less than one page: "
+                f"device_tokens={self.device_tokens} x {self.host_ratio} < page_size={self.page_size}"
+            )
+
     # -- derived --------------------------------------------------------------
 
     def layout(self) -> KVLayout:
@@ -278,7 +297,7 @@ class TierCacheConfig:
             return self.host_tokens
         if self.host_size_bytes is not None:
             return max(ps, self.host_size_bytes // self.layout().page_bytes * ps)
-        return max(ps, int(self.device_tokens * self.host_ratio) // ps * ps)
+        return max(ps, int(self.device_tokens * self.host_ratio) // ps * ps)  # checked: >= ps
 
     def storage_tier_config(self) -> StorageTierConfig:
         """The controller's storage knobs (`StorageTierConfig`) these fields describe."""
