@@ -280,7 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="run the benchmarks (benchmarks/run.py of the repository checkout)",
-        description="Run the repository's benchmarks and write benchmarks/results/summary.json.",
+        description="Run the repository's benchmarks and write benchmarks/results/summary.json "
+        "(with --quick: benchmarks/results/quick/summary.json, so that a quick run never "
+        "overwrites full results).",
     )
     bench.add_argument("--quick", action="store_true", help="smaller sizes, a few seconds each")
     bench.add_argument(
