@@ -43,7 +43,9 @@ name                                        type       meaning
 ``prefetch_outcomes_total{outcome}``        counter    ``completed``, ``revoked``, ``terminated``,
                                                        ``failed``
 ``storage_backups_total``                   counter    node backups to storage that succeeded
-``storage_errors_total``                    counter    failed or timed-out storage calls
+``storage_errors_total``                    counter    failed or timed-out storage calls (a
+                                                       timed-out call's duration is observed
+                                                       with outcome ``cancelled``)
 ``storage_outages_total``                   counter    times the backend was declared down
 ``storage_reconnects_total``                counter    times a down backend answered again
 ``storage_auto_detaches_total``             counter    backends detached by the fault policy
