@@ -79,7 +79,15 @@ def _check_cache_samples(samples: Samples, stats: Any, token_bytes: int, **label
         )
     for tier in ("device", "host"):
         assert g("tiercache_evictions_total", tier=tier) == getattr(stats, f"{tier}_evictions")
+        assert g("tiercache_evicted_tokens_total", tier=tier) == getattr(
+            stats, f"{tier}_evicted_tokens"
+        )
         assert g("tiercache_cached_tokens", tier=tier) == stats.extra[f"{tier}_tokens_cached"]
+        assert g("tiercache_free_slots", tier=tier) == stats.extra[f"{tier}_free"]
+    assert g("tiercache_inserted_tokens_total") == stats.tokens_inserted
+    assert g("tiercache_prefetches_total") == stats.prefetches
+    assert g("tiercache_storage_backups_total") == stats.storage_backups
+    assert g("tiercache_storage_auto_detaches_total") == stats.storage_auto_detaches
     assert g("tiercache_storage_outages_total") == stats.storage_outages
     assert g("tiercache_storage_reconnects_total") == stats.storage_reconnects
     assert g("tiercache_storage_errors_total") == stats.storage_errors
