@@ -159,3 +159,13 @@ def test_inspect_takes_the_storage_url_of_a_file_store(
     for bad in ("redis://localhost:6379/0", f"file://otherhost{tmp_path}"):
         assert main(["inspect", bad]) == 2
         assert bad in capsys.readouterr().err
+
+
+def test_demo_metrics_addr_without_a_port_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--metrics-addr alone served nothing and said nothing."""
+    argv = ["demo", "--quick", "--no-progress", "--dir", str(tmp_path), "--metrics-addr", "0.0.0.0"]
+    assert main(argv) == 2
+    assert "--metrics-addr needs --metrics-port" in capsys.readouterr().err
+    assert not (tmp_path / "demo.json").exists()

@@ -23,6 +23,8 @@ from tiercache.errors import ConfigError, StorageCorruptionError
 
 __all__ = ["find_benchmarks", "inspect_store", "main"]
 
+#: The address ``tiercache demo --metrics-port`` serves on unless told otherwise.
+_METRICS_ADDR = "127.0.0.1"
 #: Bytes read from the start of each page file: enough for any real header.
 _HEADER_READ = 4096
 
@@ -156,6 +158,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if os.path.exists(args.dir) and not os.path.isdir(args.dir):
         print(f"tiercache demo: --dir {args.dir} exists and is not a directory", file=sys.stderr)
         return 2
+    if args.metrics_addr is not None and args.metrics_port is None:
+        print("tiercache demo: --metrics-addr needs --metrics-port", file=sys.stderr)
+        return 2
     try:
         return demo_main(
             args.dir,
@@ -164,7 +169,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=not args.no_progress,
             metrics_port=args.metrics_port,
-            metrics_addr=args.metrics_addr,
+            metrics_addr=args.metrics_addr or _METRICS_ADDR,
         )
     except ConfigError as e:  # e.g. the metrics port is taken
         print(f"tiercache demo: {e}", file=sys.stderr)
@@ -272,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--metrics-addr",
-        default="127.0.0.1",
-        help="address the metrics server binds (default: %(default)s)",
+        default=None,
+        help=f"address the metrics server of --metrics-port binds (default: {_METRICS_ADDR})",
     )
     demo.set_defaults(func=_cmd_demo)
 
