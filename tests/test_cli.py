@@ -169,3 +169,13 @@ def test_demo_metrics_addr_without_a_port_is_refused(
     assert main(argv) == 2
     assert "--metrics-addr needs --metrics-port" in capsys.readouterr().err
     assert not (tmp_path / "demo.json").exists()
+
+
+def test_demo_dir_that_cannot_be_created_is_an_error_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out"  # under a file: never a directory
+    assert main(["demo", "--quick", "--no-progress", "--dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot create --dir" in err and str(out) in err

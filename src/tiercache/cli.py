@@ -158,6 +158,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if os.path.exists(args.dir) and not os.path.isdir(args.dir):
         print(f"tiercache demo: --dir {args.dir} exists and is not a directory", file=sys.stderr)
         return 2
+    try:
+        os.makedirs(args.dir, exist_ok=True)  # before the run, not at its end
+    except OSError as e:
+        print(f"tiercache demo: cannot create --dir {args.dir}: {e}", file=sys.stderr)
+        return 2
     if args.metrics_addr is not None and args.metrics_port is None:
         print("tiercache demo: --metrics-addr needs --metrics-port", file=sys.stderr)
         return 2
