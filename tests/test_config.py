@@ -259,6 +259,22 @@ def test_a_reconnect_backoff_maximum_below_its_first_delay_is_refused(
     ).storage_tier_config()
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"prefetch_timeout_max": 0.5},  # below the default base of 1 s
+        {"prefetch_timeout_base": 40.0},  # above the default cap of 30 s
+        {"prefetch_timeout_base": 2.0, "prefetch_timeout_max": 1.0},
+    ],
+)
+def test_a_prefetch_timeout_cap_below_its_base_is_refused(kwargs: dict[str, object]) -> None:
+    # The cap would silently cut every prefetch's wait below the base.
+    with pytest.raises(ConfigError, match="prefetch_timeout_max"):
+        TierCacheConfig(**kwargs)  # type: ignore[arg-type]
+    c = TierCacheConfig(prefetch_timeout_base=2.0, prefetch_timeout_max=2.0)
+    assert c.prefetch_timeout(10**6) == 2.0
+
+
 def test_a_config_is_hashable_and_its_hash_follows_equality() -> None:
     a = TierCacheConfig(storage_url="memory://", storage_options={"capacity_bytes": 10})
     b = TierCacheConfig.from_dict(a.to_dict())

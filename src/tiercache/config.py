@@ -254,6 +254,12 @@ class TierCacheConfig:
                 )
         if self.host_tokens is not None and self.host_size_bytes is not None:
             raise ConfigError("give host_tokens or host_size_bytes, not both")
+        if self.prefetch_timeout_max < self.prefetch_timeout_base:
+            raise ConfigError(
+                f"prefetch_timeout_max={self.prefetch_timeout_max:g} must be at least "
+                f"prefetch_timeout_base={self.prefetch_timeout_base:g}: the cap would cut "
+                "every prefetch's wait below its base"
+            )
         check_backoff(
             self.storage_reconnect_backoff_s,
             self.storage_reconnect_backoff_max_s,
