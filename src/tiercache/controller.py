@@ -502,10 +502,20 @@ def _own(given: object, checked: tuple[torch.Tensor, _Pages]) -> tuple[torch.Ten
 
 
 def _allocator(given: object, num_slots: int, page_size: int, pool: str) -> PageAllocator:
-    """The allocator given for a pool (checked to be one), or a new one over its slots."""
+    """The allocator given for a pool (checked to be one over its slots), or a new one.
+
+    Raises:
+        InvalidInputError: ``given`` is not a `PageAllocator`, or not one of
+            ``num_slots`` slots in pages of ``page_size``.
+    """
     if given is None:
         return PageAllocator(num_slots, page_size)
-    return check_instance(given, PageAllocator, f"{pool}_allocator")
+    alloc = check_instance(given, PageAllocator, f"{pool}_allocator")
+    if alloc.page_size != page_size or alloc.num_slots != num_slots:
+        raise InvalidInputError(
+            f"{pool}_allocator does not match its pool ({alloc} vs {num_slots} slots)"
+        )
+    return alloc
 
 
 class TierController(AsyncResource):
@@ -575,14 +585,6 @@ class TierController(AsyncResource):
         ps = self.layout.page_size
         self.device_allocator = _allocator(device_allocator, device_pool.num_slots, ps, "device")
         self.host_allocator = _allocator(host_allocator, host_pool.num_slots, ps, "host")
-        for name, alloc, pool_slots in (
-            ("device_allocator", self.device_allocator, device_pool.num_slots),
-            ("host_allocator", self.host_allocator, host_pool.num_slots),
-        ):
-            if alloc.page_size != ps or alloc.num_slots != pool_slots:
-                raise InvalidInputError(
-                    f"{name} does not match its pool ({alloc} vs {pool_slots} slots)"
-                )
         self.auto_start_writes = check_bool(
             auto_start_writes, "auto_start_writes", error=ConfigError
         )
@@ -627,6 +629,8 @@ class TierController(AsyncResource):
         # Pages with a copy queued or running, per pool: they may not be freed.
         self._busy_device = _BusyPages(self.device_allocator.num_pages, ps)
         self._busy_host = _BusyPages(self.host_allocator.num_pages, ps)
+        # Device pages a load fills (queued or not settled): writes of them are refused.
+        self._loading_device = _BusyPages(self.device_allocator.num_pages, ps)
         # Host pages a write fills (queued or not settled): loads of them wait.
         self._writing_host = _BusyPages(self.host_allocator.num_pages, ps)
         # Host pages a storage prefetch fills: loads and backups of them are refused.
@@ -806,6 +810,12 @@ class TierController(AsyncResource):
         self._busy_host.add(op.host_pages, delta)
         self._busy_device.add(op.device_pages, delta)
 
+    def _release(self, op: _Operation) -> None:
+        """``op`` no longer uses its pages: it has settled, or `reset` dropped it."""
+        self._mark_busy(op, -1)
+        if op.ack.kind == "load":
+            self._loading_device.add(op.device_pages, -1)
+
     def _new_op(
         self,
         kind: Literal["write", "load"],
@@ -905,6 +915,8 @@ class TierController(AsyncResource):
 
         Raises:
             InvalidInputError: bad device indices or ``ready``.
+            StateError: a load (queued or in flight) still fills some of
+                ``device_indices``: back them up once its ack has settled.
             ClosedError / StateError: not open.
         """
         self._check_open()
@@ -916,6 +928,10 @@ class TierController(AsyncResource):
         )
         if not self.device_allocator.pages_allocated(dev[1]):
             raise InvalidInputError("device_indices include slots that are not allocated")
+        if self._loading_device.any(dev[1]):
+            raise StateError(
+                "a load still fills some of device_indices: back them up once its ack has settled"
+            )
         priority = _priority(priority)
         ready_ev = self.ready_event(ready, "submit_write")
         host = self.host_allocator.alloc_pages(dev[0].numel())
@@ -1058,6 +1074,7 @@ class TierController(AsyncResource):
             self.device_allocator.free_pages(dev[1])
             raise
         op.ready = ready_ev
+        self._loading_device.add(op.device_pages, +1)
         if self._writing_host.any(op.host_pages):
             jobs = list(self._write_jobs)
             if self._queued_write_job is not None:
@@ -1272,7 +1289,7 @@ class TierController(AsyncResource):
             # copy of the future carries the outcome on instead.
             wjob.settled = _settled(error)
         for op in ops:
-            self._mark_busy(op, -1)
+            self._release(op)
         tracked = self.track_acks
         for op in ops:
             op.ack._settle(error)
@@ -1476,7 +1493,7 @@ class TierController(AsyncResource):
         if tier is not None:
             tier.forget_uncollected()
         for op in self._load_queue:
-            self._mark_busy(op, -1)
+            self._release(op)
             op.ack._settle(asyncio.CancelledError())
         self._load_queue.clear()
         self._finished.clear()

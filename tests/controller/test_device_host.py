@@ -428,6 +428,41 @@ async def test_a_refused_free_device_records_no_fence_and_wakes_nobody(
         assert c.device_allocator.is_allocated(again)
 
 
+async def test_a_backup_of_device_slots_a_load_still_fills_is_refused() -> None:
+    """Writing device slots before the load into them has landed would back up
+    whatever was there before: a `StateError` that takes no host slot, until the
+    load (queued, running, or dropped by `reset`) has settled."""
+    async with make() as c:
+        src, host = await backed_up(c, 32)
+        for phase in ("queued", "started"):
+            ack = c.submit_load(host)
+            assert ack is not None
+            if phase == "started":
+                c.start_loading()
+            free_host = c.host_allocator.available
+            with pytest.raises(StateError, match="load still fills"):
+                c.submit_write(ack.device_indices)
+            with pytest.raises(StateError, match="load still fills"):
+                await c.backup(ack.device_indices[16:])
+            assert c.host_allocator.available == free_host
+            if phase == "queued":
+                c.start_loading()
+            await ack
+            again = await c.backup(ack.device_indices)  # landed: its KV is src's
+            assert again is not None
+            back = await c.load_back(again)
+            assert back is not None
+            assert all(
+                torch.equal(a, b) for a, b in zip(kv_at(c, src), kv_at(c, back), strict=True)
+            )
+        dropped = c.submit_load(host)
+        assert dropped is not None
+        await c.reset()
+        slots = c.device_allocator.alloc(32)
+        assert slots is not None
+        assert await c.backup(slots) is not None  # nothing of the dropped load stays
+
+
 async def test_a_refused_priority_takes_no_slot() -> None:
     """The priority is checked before a write or load allocates its slots, not after."""
     async with make() as c:
