@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiercache import PageAllocator
+from tiercache import DeviceKVPool, HostKVPool, KVLayout, PageAllocator, TierController
 from tiercache.errors import DoubleFreeError, InvalidInputError
 from tiercache.memory.allocator import check_slot_indices
 
@@ -60,6 +60,40 @@ def test_double_free_and_foreign_indices_rejected_without_state_change() -> None
         a.free([0, 1])  # type: ignore[arg-type]
     a.free(y)
     assert a.available == 64
+
+
+@pytest.mark.parametrize(
+    "make_slots",
+    [lambda: torch.arange(16).to_sparse(), lambda: torch.arange(16, device="meta")],
+    ids=["sparse", "meta"],
+)
+async def test_slots_without_readable_values_are_invalid_input_at_every_verb(
+    make_slots: object,
+) -> None:
+    """A sparse or meta tensor of int64 slots is an `InvalidInputError`, not
+    torch's own TypeError or NotImplementedError, and takes or frees nothing."""
+    lay = KVLayout(2, 2, 8, torch.float16, 16)
+    async with TierController(DeviceKVPool(lay, 64), HostKVPool(lay, 64)) as c:
+        held = c.device_allocator.alloc(16)
+        assert held is not None
+        bad = make_slots()  # type: ignore[operator]
+        verbs = {
+            "submit_write": lambda: c.submit_write(bad),
+            "submit_load": lambda: c.submit_load(bad),
+            "free_device": lambda: c.free_device(bad),
+            "free_host": lambda: c.free_host(bad),
+            "ack_busy": lambda: c.ack_busy("device", bad),
+            "allocator.free": lambda: c.device_allocator.free(bad),
+            "check_slot_indices": lambda: check_slot_indices(bad, 16, 64),
+        }
+        for name, call in verbs.items():
+            with pytest.raises(InvalidInputError, match="dense tensor"):
+                call()
+            assert (c.device_allocator.available, c.host_allocator.available) == (48, 64), name
+        for coro in (c.backup, c.load_back):
+            with pytest.raises(InvalidInputError, match="dense tensor"):
+                await coro(bad)
+        assert c.device_allocator.is_allocated(held)
 
 
 @pytest.mark.parametrize("bad", [-16, 7, 1.5, True, "16"])

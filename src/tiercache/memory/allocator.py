@@ -33,7 +33,8 @@ def check_slot_indices(
     hands out.
 
     Raises:
-        InvalidInputError: wrong type, dtype, shape, alignment or range.
+        InvalidInputError: wrong type, dtype, layout (sparse or meta: no
+            values to read), shape, alignment or range.
     """
     return check_slot_pages(indices, page_size, num_slots, what)[0]
 
@@ -77,6 +78,12 @@ def _int64_vector(indices: object, page_size: int, what: str) -> torch.Tensor:
         )
     if indices.dtype != torch.int64:
         raise InvalidInputError(f"{what} must have dtype int64, got {indices.dtype}")
+    if indices.layout != torch.strided or indices.is_meta:
+        # Neither holds values that can be read: a sparse layout or a meta tensor.
+        raise InvalidInputError(
+            f"{what} must be a dense tensor with values, got a {indices.layout} tensor "
+            f"on {indices.device}"
+        )
     if indices.dim() != 1:
         raise InvalidInputError(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
     n = indices.numel()
