@@ -536,7 +536,8 @@ class TierController(AsyncResource):
         device_pool, host_pool: the L1 and L2 pools (same `KVLayout`).
         device_allocator, host_allocator: the pools' allocators (created when
             not given; pass the engine's own device allocator to share it).
-        auto_start_writes: start queued writes on the next loop iteration.
+        auto_start_writes: start queued writes on the next loop iteration
+            (off: at `start_writing`; a `backup` starts its own write either way).
         track_acks: keep finished write acks for `drain_acks` (what an
             engine's scheduler tick polls).
         inline_copy_bytes: on a CPU device, a merged copy this small runs on
@@ -953,10 +954,19 @@ class TierController(AsyncResource):
         self._write_queue.append(op)
         self.stats.writes += 1
         if self.auto_start_writes and not self._write_start_scheduled:
-            self._write_start_scheduled = True
-            assert self._loop is not None
-            self._loop.call_soon(self._start_writes_now)
+            self._schedule_start("write")
         return op.ack
+
+    def _schedule_start(self, kind: Literal["write", "load"]) -> None:
+        """Start what is queued of ``kind`` on the next loop iteration (once, however often called)."""
+        assert self._loop is not None
+        if kind == "write":
+            if not self._write_start_scheduled:
+                self._write_start_scheduled = True
+                self._loop.call_soon(self._start_writes_now)
+        elif not self._load_start_scheduled:
+            self._load_start_scheduled = True
+            self._loop.call_soon(self._start_loads_now)
 
     def write(
         self,
@@ -1321,6 +1331,10 @@ class TierController(AsyncResource):
         Returns:
             The host slots (the caller owns them), or ``None`` when host memory is full.
 
+        The write starts on the next loop iteration, merged with the writes
+        queued by then, also when ``auto_start_writes`` is off (as `load_back`
+        starts its load without waiting for `start_loading`).
+
         Cancelling the caller does not stop the copy; its host slots are freed
         when it finishes, so nothing leaks. A failed copy frees them and raises.
 
@@ -1335,6 +1349,7 @@ class TierController(AsyncResource):
         ack = self.submit_write(device_indices, priority, track=False, ready=ready)
         if ack is None:
             return None
+        self._schedule_start("write")  # also with auto_start_writes off: nobody else may
         await self._await_or_release(ack, lambda: self.host_allocator.free(ack.host_indices))
         return ack.host_indices
 
@@ -1361,10 +1376,7 @@ class TierController(AsyncResource):
         ack = self.submit_load(host_indices, priority, track=False, ready=ready)
         if ack is None:
             return None
-        if not self._load_start_scheduled:
-            self._load_start_scheduled = True
-            assert self._loop is not None
-            self._loop.call_soon(self._start_loads_now)
+        self._schedule_start("load")
         await self._await_or_release(ack, lambda: self.device_allocator.free(ack.device_indices))
         return ack.device_indices
 

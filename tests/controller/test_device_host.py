@@ -514,6 +514,30 @@ async def test_reset_frees_everything_and_close_drains_queued_writes() -> None:
     assert ack.done() and not ack.failed()
 
 
+async def test_backup_starts_its_own_write_when_writes_do_not_start_themselves() -> None:
+    """With ``auto_start_writes`` off nobody else may call `start_writing`:
+    `backup` starts its write (merged with what is queued), as `load_back` its load."""
+    async with make(auto_start_writes=False) as c:
+        queued_src = c.device_allocator.alloc(16)
+        src = c.device_allocator.alloc(32)
+        assert queued_src is not None and src is not None
+        queued = c.submit_write(queued_src)
+        assert queued is not None
+        host = await c.backup(src)
+        assert host is not None and queued.done()
+        back = await c.load_back(host)
+        assert back is not None
+        assert all(torch.equal(a, b) for a, b in zip(kv_at(c, back), kv_at(c, src), strict=True))
+        free = c.host_allocator.available
+        task = asyncio.ensure_future(c.backup(src))
+        await asyncio.sleep(0)  # the write is queued; cancel before it has settled
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await c.wait_idle()
+        assert c.host_allocator.available == free and not c.busy
+
+
 async def test_tiny_copies_run_inline_on_an_idle_cpu_stream_and_stay_correct() -> None:
     async with make(layers=2) as c:
         src = c.device_allocator.alloc(16)
