@@ -681,15 +681,17 @@ class TierController(AsyncResource):
         stopped (after their current copy) and the cancellation propagates.
 
         Raises:
-            StateError: a background task of the controller's own task group
-                failed and that failure was not raised before (a group passed
-                in as ``tasks`` is closed by its owner instead).
+            StateError: called off the loop that opened the controller (it
+                stays open); or a background task of the controller's own task
+                group failed and that failure was not raised before (a group
+                passed in as ``tasks`` is closed by its owner instead).
         """
         if self.state in (ControllerState.CLOSED, ControllerState.CREATED):
             self.state = ControllerState.CLOSED
             if self._owns_tasks:
                 await self.tasks.aclose()
             return
+        self._check_loop()
         if self.state is ControllerState.CLOSING:
             await self._closed.wait()
             return
@@ -745,7 +747,11 @@ class TierController(AsyncResource):
 
         Returns:
             A function that removes ``fn`` (idempotent).
+
+        Raises:
+            StateError: called off the controller's loop.
         """
+        self._check_loop()
         self._settle_callbacks.append(fn)
 
         def remove() -> None:
@@ -771,7 +777,11 @@ class TierController(AsyncResource):
 
         Starts what is queued to start, then sleeps until the last copy in
         flight settles (woken by its completion, never by a timer).
+
+        Raises:
+            StateError: called off the controller's loop.
         """
+        self._check_loop()
         while True:
             if self._write_queue:
                 self._start_writes_now()
@@ -804,6 +814,15 @@ class TierController(AsyncResource):
         self.tasks.raise_failure()
         assert self._loop is not None
         return self._loop
+
+    def _check_loop(self) -> None:
+        """Raise `StateError` when called off the loop that opened the controller.
+
+        For the verbs that also serve a controller that is closing or closed
+        (never opened: no loop to check).
+        """
+        if self._loop is not None:
+            check_on_loop(self._loop, self._thread, "TierController")
 
     # -- bookkeeping ----------------------------------------------------------
 
@@ -1313,7 +1332,11 @@ class TierController(AsyncResource):
         """Finished write acks since the last call, oldest first (non-blocking).
 
         What an engine's scheduler tick polls instead of awaiting each ack.
+
+        Raises:
+            StateError: called off the controller's loop.
         """
+        self._check_loop()
         out = list(self._finished)
         self._finished.clear()
         return out
@@ -1404,7 +1427,9 @@ class TierController(AsyncResource):
 
         Raises:
             InvalidInputError: an unknown pool, or bad slots for that pool.
+            StateError: called off the controller's loop.
         """
+        self._check_loop()
         check_choice(pool, ("device", "host"), "pool")
         if pool == "device":
             busy, num_slots = self._busy_device, self.device_pool.num_slots
@@ -1458,7 +1483,9 @@ class TierController(AsyncResource):
 
         Raises:
             InvalidInputError: bad ``ready``.
+            StateError: called off the controller's loop.
         """
+        self._check_loop()
         self._add_fence(self.ready_event(ready, "fence_device_reads"))
 
     def _add_fence(self, ev: torch.cuda.Event | None) -> None:
@@ -1605,7 +1632,11 @@ class TierController(AsyncResource):
         `TERMINATED` with what they completed (collect it with
         `terminate_prefetch`). With ``tier``, detach only if that tier is still
         the attached one (the fault policy's automatic detach).
+
+        Raises:
+            StateError: called off the controller's loop.
         """
+        self._check_loop()
         async with self._storage_lock:
             if tier is not None and self.storage is not tier:
                 return False
@@ -1754,7 +1785,11 @@ class TierController(AsyncResource):
 
         Backups that a detach ended (or that ended before it) are reported
         too, so a caller that waits for its backups here never misses one.
+
+        Raises:
+            StateError: called off the controller's loop.
         """
+        self._check_loop()
         out = list(self._detached_backups)
         self._detached_backups.clear()
         if self.storage is not None:

@@ -763,6 +763,14 @@ async def test_calls_from_another_thread_or_loop_are_refused_and_change_nothing(
                 lambda: asyncio.run(c.backup(src)),
                 lambda: asyncio.run(c.load_back(host)),
                 lambda: asyncio.run(c.reset()),
+                lambda: asyncio.run(c.wait_idle()),
+                lambda: asyncio.run(c.aclose()),
+                lambda: asyncio.run(c.detach_storage_backend()),
+                lambda: c.drain_acks(),
+                lambda: c.drain_backup_acks(),
+                lambda: c.fence_device_reads(),
+                lambda: c.ack_busy("host", host),
+                lambda: c.add_settle_callback(lambda: None),
             ]
             for call in calls:
                 try:
@@ -771,9 +779,14 @@ async def test_calls_from_another_thread_or_loop_are_refused_and_change_nothing(
                     out.append(str(e))
             return out
 
+        queued = c.submit_write(src)  # for `drain_acks` to take, or `wait_idle` to start
+        assert queued is not None
+        await queued
         errors = await asyncio.to_thread(elsewhere)
-        assert len(errors) == 9
+        assert len(errors) == 17
         assert all("event loop that opened it" in e for e in errors)
+        assert c.state.value == "open" and c.drain_acks() == [queued]
+        c.free_host(queued.host_indices)
         assert (c.device_allocator.available, c.host_allocator.available) == free
         assert not c.busy
         back = await c.load_back(host)  # on its own loop, all still works
