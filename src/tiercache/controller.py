@@ -1409,12 +1409,18 @@ class TierController(AsyncResource):
         Its future is awaited directly, not through a shield: nobody else
         waits on it, so a cancellation may cancel it, and the awaiter wakes
         one loop iteration sooner. The ack still settles (and runs
-        ``release``) once its copy has.
+        ``release``) once its copy has. Cancelled after the copy settled (the
+        cancellation came before this task resumed), it releases at once: a
+        done callback would run on the next iteration, after whatever runs
+        before it (a `reset`, and whoever takes the slots next).
         """
         try:
             await ack._future
         except asyncio.CancelledError:
-            ack.add_done_callback(lambda _a: release())
+            if ack.done():
+                release()
+            else:
+                ack.add_done_callback(lambda _a: release())
             raise
         except BaseException:
             release()

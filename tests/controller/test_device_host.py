@@ -247,6 +247,38 @@ async def test_full_host_and_device_return_none_and_keep_accounting() -> None:
         assert c.host_allocator.available == 0 and c.device_allocator.available == 0
 
 
+@pytest.mark.parametrize("verb", ["backup", "load_back"])
+async def test_a_cancel_as_the_copy_settles_frees_at_once_not_after_a_reset(verb: str) -> None:
+    """A `backup` / `load_back` cancelled after its copy settled, but before it
+    resumed, frees its slots then: not a loop iteration later, when a `reset`
+    and the next owner of those slots may have come in between."""
+    async with make() as c:
+        handler_calls: list[object] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _l, ctx: handler_calls.append(ctx))
+        src, host = await backed_up(c, 32)
+        pool = c.device_allocator if verb == "load_back" else c.host_allocator
+        call = c.load_back(host) if verb == "load_back" else c.backup(src)
+        task = asyncio.ensure_future(call)
+        await asyncio.sleep(0)  # queued; cancelled once its copy has settled
+        remove = c.add_settle_callback(task.cancel)
+
+        async def reset_then_take_all() -> torch.Tensor:
+            await c.reset()
+            mine = pool.alloc(pool.num_slots)  # on, in the same step
+            assert mine is not None
+            return mine
+
+        taker = asyncio.ensure_future(reset_then_take_all())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        mine = await taker
+        remove()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert pool.available == 0 and pool.is_allocated(mine)
+        assert handler_calls == []
+
+
 @pytest.mark.parametrize("point", ["before_start", "during_copy"])
 async def test_cancelling_a_backup_or_load_leaks_nothing(
     point: str, monkeypatch: pytest.MonkeyPatch
