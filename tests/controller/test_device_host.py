@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -201,6 +202,29 @@ async def test_a_consumer_index_that_is_not_an_int_is_refused(index: object) -> 
     with pytest.raises(InvalidInputError):
         counter.set_consumer(index)  # type: ignore[arg-type]
     assert counter.consumer_index == -1
+
+
+async def test_layer_waits_take_a_layer_as_the_consumer_index_is_taken() -> None:
+    """A numpy integer names a layer at every layer wait, as it names a set at
+    `set_consumer`; a bool, a float or an index outside the layers is refused."""
+    async with make(layers=3) as c:
+        src, host = await backed_up(c, 16)
+        assert c.submit_load(host) is not None
+        handle = c.start_loading()
+        assert handle is not None
+        c.layer_done_counter.set_consumer(np.int64(handle.producer_id))
+        for i in (np.int64(2), np.int32(0)):
+            await handle.layer(i)  # type: ignore[arg-type]
+            await asyncio.to_thread(handle.wait_layer, i)  # type: ignore[arg-type]
+            await asyncio.to_thread(handle.wait_layer_device, i)  # type: ignore[arg-type]
+            assert handle.layers.is_done(i)  # type: ignore[arg-type]
+            await c.layer_done_counter.wait_until(i)  # type: ignore[arg-type]
+        for bad in (True, 1.0, "1", -1, 3, np.int64(3)):
+            with pytest.raises(InvalidInputError, match="layer"):
+                await handle.layer(bad)  # type: ignore[arg-type]
+            with pytest.raises(InvalidInputError, match="layer"):
+                await asyncio.to_thread(handle.wait_layer, bad)  # type: ignore[arg-type]
+        await handle
 
 
 @pytest.mark.parametrize("bad", ["1", -1.0, float("nan"), True])

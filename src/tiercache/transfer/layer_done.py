@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from tiercache._checks import check_int, check_number
+from tiercache._checks import check_index, check_int, check_number
 from tiercache.errors import InvalidInputError, StateError
 
 __all__ = ["LayerDoneCounter", "LayerDoneSet"]
@@ -209,28 +209,23 @@ class LayerDoneSet:
 
     # -- consumer side ------------------------------------------------------
 
-    def _check(self, layer: int) -> None:
-        if (
-            isinstance(layer, bool)
-            or not isinstance(layer, int)
-            or not 0 <= layer < self.num_layers
-        ):
-            raise InvalidInputError(
-                f"layer must be an int in [0, {self.num_layers}), got {layer!r}"
-            )
+    def _check(self, layer: int) -> int:
+        """``layer`` as an int in ``[0, num_layers)`` (numpy integers accepted, as
+        `LayerDoneCounter.set_consumer` accepts them; ``bool`` and ``float`` not)."""
+        return check_index(layer, "layer", self.num_layers)
 
     async def wait(self, layer: int) -> None:
         """Return once layer ``layer`` is on the device (raises the load's error if it failed).
 
         Cancelling the waiter does not cancel the load.
         """
-        self._check(layer)
+        layer = self._check(layer)
         if self._landed[layer]:
             return
         await asyncio.shield(self.futures[layer])
 
     def is_done(self, layer: int) -> bool:
-        self._check(layer)
+        layer = self._check(layer)
         return self._done.is_set(layer)
 
     def wait_sync(self, layer: int, timeout: float | None = None) -> None:
@@ -245,7 +240,7 @@ class LayerDoneSet:
                 or ``timeout`` expired.
             Exception: the load's error, if it failed.
         """
-        self._check(layer)
+        layer = self._check(layer)
         if timeout is not None:
             timeout = check_number(timeout, "timeout")
         if threading.get_ident() == self._loop_thread:
@@ -273,7 +268,7 @@ class LayerDoneSet:
         Raises:
             Exception: the load's error, once the failed load has settled.
         """
-        self._check(layer)
+        layer = self._check(layer)
         if self._recorded is None:
             self.wait_sync(layer)
             return
