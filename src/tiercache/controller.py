@@ -151,17 +151,15 @@ class _Completion:
     def _settle(self, error: BaseException | None) -> None:
         """Resolve the completion and run its callbacks (loop thread, the controller only).
 
-        The future may already be cancelled: `TierController.backup` and
-        `load_back` await a private ack's future directly, and cancelling
-        them cancels it. The callbacks still run once the copy has settled.
+        Nobody but this method resolves or cancels the future (`backup` and
+        `load_back` wait on a future of their own), so it carries the copy's
+        outcome to everyone who awaits the completion.
         """
         if self._settled:
             return
         self._settled = True
         fut = self._future
-        if fut.done():
-            pass
-        elif error is None:
+        if error is None:
             fut.set_result(None)
         elif isinstance(error, asyncio.CancelledError):
             fut.cancel()
@@ -1404,18 +1402,35 @@ class TierController(AsyncResource):
         return ack.device_indices
 
     async def _await_or_release(self, ack: CopyAck, release: Callable[[], None]) -> None:
-        """Wait for a private ack (made by `backup` / `load_back`, never handed out).
+        """Wait for the ack of a `backup` / `load_back`; on any error, ``release`` its slots.
 
-        Its future is awaited directly, not through a shield: nobody else
-        waits on it, so a cancellation may cancel it, and the awaiter wakes
-        one loop iteration sooner. The ack still settles (and runs
-        ``release``) once its copy has. Cancelled after the copy settled (the
-        cancellation came before this task resumed), it releases at once: a
-        done callback would run on the next iteration, after whatever runs
-        before it (a `reset`, and whoever takes the slots next).
+        It waits on a future of its own that the ack's first done callback
+        resolves, not through a shield: the task wakes on the iteration after
+        the copy settled, not one later. Cancelling it cancels only that
+        waiter, never the ack, which others may hold (the `LoadHandle` a
+        load was merged into lists it) and which goes on to report its copy.
+        The ack still settles (and runs ``release``) once its copy has.
+        Cancelled after the copy settled (the cancellation came before this
+        task resumed), it releases at once: a done callback would run on the
+        next iteration, after whatever runs before it (a `reset`, and whoever
+        takes the slots next).
         """
+        waiter = ack._future.get_loop().create_future()
+
+        def wake(settled: CopyAck) -> None:
+            if waiter.done():  # the waiting task was cancelled
+                return
+            fut = settled._future
+            if fut.cancelled():
+                waiter.cancel()
+            elif (error := fut.exception()) is not None:
+                waiter.set_exception(error)
+            else:
+                waiter.set_result(None)
+
+        ack.add_done_callback(wake)
         try:
-            await ack._future
+            await waiter
         except asyncio.CancelledError:
             if ack.done():
                 release()

@@ -400,3 +400,47 @@ async def test_a_cancelled_backup_keeps_its_slots_until_its_copy_settles(
         gate.open.set()
         await c.wait_idle()  # the release ran as the ack's callback, before the ack settled
         assert c.host_allocator.available == free_before
+
+
+@pytest.mark.parametrize("outcome", ["landed", "failed"])
+async def test_a_handle_reads_the_copy_of_a_merged_load_back_whose_caller_was_cancelled(
+    outcome: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelling `load_back` cancels its private ack's future, not its copy:
+    the `LoadHandle` it was merged into still reports the copy's outcome
+    through that ack, and awaiting it raises no CancelledError into a task
+    that was never cancelled."""
+    async with make(inline_copy_bytes=0) as c:
+        host = await c.backup(dev_slots(c))
+        assert host is not None
+        gate = Gate(c, monkeypatch, "load_layer")
+        if outcome == "failed":
+            real = c.engine.load_layer
+
+            def failing(*args: Any) -> Any:
+                real(*args)
+                raise CopyFault("injected")
+
+            monkeypatch.setattr(c.engine, "load_layer", failing)
+        task = asyncio.ensure_future(c.load_back(host))
+        await asyncio.sleep(0)  # queued; the engine's start takes it too
+        mine = c.submit_load(host)
+        handle = c.start_loading()
+        assert mine is not None and handle is not None and len(handle.acks) == 2
+        await until_set(gate.entered)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.open.set()
+        for ack in handle.acks:
+            if outcome == "landed":
+                await ack
+            else:
+                with pytest.raises(CopyFault):
+                    await ack
+            assert ack.done() and ack.failed() == (outcome == "failed")
+        assert handle.failed() == (outcome == "failed")
+        await c.wait_idle()
+        # The cancelled load_back's slots came back; the source's and mine are held.
+        assert c.device_allocator.available == 256 - 2 * PS
+        c.free_device(mine.device_indices)
