@@ -337,15 +337,21 @@ def _is_large(indices: object) -> bool:
     return isinstance(indices, torch.Tensor) and indices.numel() >= _YIELD_SLOTS
 
 
-def _priority(priority: object) -> int:
-    """A copy's ``priority`` once it is an int (checked before the copy takes any slot).
+def _op_args(priority: object, node_id: object, track: object) -> tuple[int, int | None, bool]:
+    """A copy's ``priority``, ``node_id`` (or ``None``) and ``track``, checked
+    before the copy takes any slot.
 
     Raises:
-        InvalidInputError: anything else.
+        InvalidInputError: a priority or node id that is not an int, or a
+            ``track`` that is not a bool.
     """
-    if priority.__class__ is int:  # the common case, without the full check
-        return priority
-    return check_int(priority, "priority")
+    if priority.__class__ is not int:  # the common cases skip the full checks
+        priority = check_int(priority, "priority")
+    if node_id is not None and node_id.__class__ is not int:
+        node_id = check_int(node_id, "node_id")
+    if track.__class__ is not bool:
+        track = check_bool(track, "track")
+    return priority, node_id, track
 
 
 def _unique_events(
@@ -932,7 +938,8 @@ class TierController(AsyncResource):
             The caller owns the host slots (free them with `free_host`).
 
         Raises:
-            InvalidInputError: bad device indices or ``ready``.
+            InvalidInputError: bad device indices or ``ready``, a ``priority``
+                or ``node_id`` that is not an int, a ``track`` that is not a bool.
             StateError: a load (queued or in flight) still fills some of
                 ``device_indices``: back them up once its ack has settled.
             ClosedError / StateError: not open.
@@ -950,7 +957,7 @@ class TierController(AsyncResource):
             raise StateError(
                 "a load still fills some of device_indices: back them up once its ack has settled"
             )
-        priority = _priority(priority)
+        priority, node_id, track = _op_args(priority, node_id, track)
         ready_ev = self.ready_event(ready, "submit_write")
         host = self.host_allocator.alloc_pages(dev[0].numel())
         if host is None:
@@ -1071,7 +1078,8 @@ class TierController(AsyncResource):
             The ack (with ``device_indices``), or ``None`` when device memory is full.
 
         Raises:
-            InvalidInputError: bad host indices or ``ready``.
+            InvalidInputError: bad host indices or ``ready``, a ``priority``
+                or ``node_id`` that is not an int, a ``track`` that is not a bool.
             StateError: a storage prefetch still fills some of
                 ``host_indices`` (load them once it has ended).
             ClosedError / StateError: not open.
@@ -1089,7 +1097,7 @@ class TierController(AsyncResource):
             raise StateError(
                 "a storage prefetch still fills some of host_indices: load them once it has ended"
             )
-        priority = _priority(priority)
+        priority, node_id, track = _op_args(priority, node_id, track)
         ready_ev = self.ready_event(ready, "submit_load")
         dev = self.device_allocator.alloc_pages(host[0].numel())
         if dev is None:

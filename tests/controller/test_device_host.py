@@ -519,6 +519,27 @@ async def test_a_backup_of_device_slots_a_load_still_fills_is_refused() -> None:
         assert await c.backup(slots) is not None  # nothing of the dropped load stays
 
 
+@pytest.mark.parametrize(
+    "kw", [{"node_id": "n1"}, {"node_id": 1.5}, {"node_id": True}, {"track": "no"}, {"track": None}]
+)
+async def test_a_node_id_or_track_of_the_wrong_type_is_refused_and_takes_no_slot(
+    kw: dict[str, object],
+) -> None:
+    async with make() as c:
+        src, host = await backed_up(c, 16)
+        free = (c.device_allocator.available, c.host_allocator.available)
+        with pytest.raises(InvalidInputError, match=next(iter(kw))):
+            c.submit_write(src, **kw)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInputError, match=next(iter(kw))):
+            c.submit_load(host, **kw)  # type: ignore[arg-type]
+        assert (c.device_allocator.available, c.host_allocator.available) == free
+        assert not c.busy and c.drain_acks() == []
+        ack = c.submit_write(src, node_id=np.int64(7), track=np.bool_(True))  # type: ignore[arg-type]
+        assert ack is not None and ack.node_id == 7
+        await ack
+        assert c.drain_acks() == [ack]
+
+
 async def test_a_refused_priority_takes_no_slot() -> None:
     """The priority is checked before a write or load allocates its slots, not after."""
     async with make() as c:
