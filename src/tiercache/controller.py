@@ -599,6 +599,10 @@ class TierController(AsyncResource):
         self.track_acks = check_bool(track_acks, "track_acks", error=ConfigError)
         self.state = ControllerState.CREATED
         self.stats = ControllerStats()
+        #: What its copy streams and storage tier report their timings as, in
+        #: `tiercache.observe` (a token, not the controller: they hold it, and
+        #: holding the controller would keep it and its pools alive in a cycle).
+        self.observe_source: object = object()
         # Validates model / TP fields now rather than at attach time.
         self.namespace = StorageNamespace.for_layout(
             self.layout, host_pool.host_layout, model=model, tp_rank=tp_rank, tp_size=tp_size
@@ -670,8 +674,10 @@ class TierController(AsyncResource):
             raise ClosedError("the controller was closed; create a new one")
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
-        self._write_stream = CopyStream("write", self.device_pool.device, source=self)
-        self._load_stream = CopyStream("load", self.device_pool.device, source=self)
+        self._write_stream = CopyStream(
+            "write", self.device_pool.device, source=self.observe_source
+        )
+        self._load_stream = CopyStream("load", self.device_pool.device, source=self.observe_source)
         self.state = ControllerState.OPEN
         return self
 
@@ -1644,7 +1650,7 @@ class TierController(AsyncResource):
                     owns_backend=owns,
                     tp_group=self.tp_group,
                     write_enabled=not (self.layout.mla and self.namespace.tp_rank != 0),
-                    source=self,
+                    source=self.observe_source,
                 )
             except BaseException:
                 if owns:

@@ -553,15 +553,16 @@ class TierCacheCollector(Collector):
 def _observe_source(source: Any) -> object | None:
     """The `tiercache.observe` source whose timings belong to ``source``.
 
-    An open `TierCache`'s copy streams and storage tier report as its
-    controller; anything else (a storage backend, a cache not open yet) has
-    none, and its collector records every timing in the process.
+    An open `TierCache`'s copy streams and storage tier report with its
+    controller's ``observe_source``; anything else (a storage backend, a
+    cache not open yet) has none, and its collector records every timing in
+    the process.
     """
     from tiercache.cache import TierCache
 
     if isinstance(source, TierCache):
         with contextlib.suppress(TierCacheError):
-            return source.controller
+            return source.controller.observe_source
     return None
 
 

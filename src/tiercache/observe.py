@@ -11,8 +11,8 @@ A sink is any object with an ``observe`` method (`LatencySink`);
 `tiercache.metrics.TierCacheCollector` is one. With no sink added, `observe`
 costs one tuple check. A sink added without a ``source`` sees the
 observations of every cache in the process; one added with
-``source=cache.controller`` sees only that cache's (its copy streams and its
-storage tier report with their controller as the source).
+``source=cache.controller.observe_source`` sees only that cache's (its copy
+streams and its storage tier report with that token as the source).
 
 `observe` is called from the event loop (storage calls) and from copy stream
 worker threads (copies), so a sink must be thread-safe and must not block.
