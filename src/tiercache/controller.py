@@ -820,7 +820,7 @@ class TierController(AsyncResource):
                     "the controller is not open: use `async with controller` or `await open()`"
                 )
             raise ClosedError("the controller is closed")
-        check_on_loop(self._loop, self._thread, "TierController")
+        self._check_loop()
         self.tasks.raise_failure()
         assert self._loop is not None
         return self._loop

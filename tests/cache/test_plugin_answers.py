@@ -73,6 +73,20 @@ def expected(cache: TierCache, n: int) -> list[torch.Tensor]:
     ]
 
 
+async def served(cache: TierCache) -> int:
+    """Serve PROMPT; check the KV of its cached prefix is what was stored. Returns its length."""
+    async with cache.request(PROMPT) as req:
+        await req.wait_loaded()
+        got = req.cached_tokens
+        for buf, want in zip(
+            (buf for bufs in cache.device_pool.buffers for buf in bufs),
+            expected(cache, got),
+            strict=True,
+        ):
+            assert torch.equal(buf[req.prefix_indices], want)
+    return got
+
+
 async def store(backend: OddAnswers) -> None:
     async with TierCache(TierCacheConfig(**CONFIG)) as cache:  # type: ignore[arg-type]
         await cache.attach_storage(backend)
@@ -103,15 +117,7 @@ async def test_an_ill_formed_read_answer_is_a_miss(op: str, odd: Any) -> None:
     backend.on = True
     async with TierCache(TierCacheConfig(**CONFIG)) as cache:  # type: ignore[arg-type]
         await cache.attach_storage(backend)
-        async with cache.request(PROMPT) as req:
-            await req.wait_loaded()
-            got = req.cached_tokens
-            for buf, want in zip(
-                (buf for bufs in cache.device_pool.buffers for buf in bufs),
-                expected(cache, got),
-                strict=True,
-            ):
-                assert torch.equal(buf[req.prefix_indices], want)
+        got = await served(cache)
         assert got == 0
         assert cache.stats().storage_errors > 0
         await cache.detach_storage()
@@ -126,14 +132,6 @@ async def test_an_ill_formed_write_answer_is_a_failed_backup(odd: Any) -> None:
     backend.on = False
     async with TierCache(TierCacheConfig(**CONFIG)) as cache:  # type: ignore[arg-type]
         await cache.attach_storage(backend)
-        async with cache.request(PROMPT) as req:
-            await req.wait_loaded()
-            got = req.cached_tokens
-            for buf, want in zip(
-                (buf for bufs in cache.device_pool.buffers for buf in bufs),
-                expected(cache, got),
-                strict=True,
-            ):
-                assert torch.equal(buf[req.prefix_indices], want)
+        await served(cache)  # whatever part was stored is the right KV
         await cache.detach_storage()
     await backend.aclose()
