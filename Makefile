@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 # The CPU build of torch: an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test test-core test-engines bench bench-engines bench-quick bench-gpu stress lint typecheck check clean
+.PHONY: install run test test-core test-engines bench bench-engines bench-quick bench-gpu stress lint typecheck check docs docs-serve clean
 
 # Engine integration suites (mk/*.mk) each add their target to ENGINE_TESTS. Each one
 # builds its own virtual environment with the engine installed --no-deps at a pinned
@@ -58,6 +58,18 @@ bench-gpu: install
 stress: install
 	TIERCACHE_STRESS_SECONDS=120 $(PY) -m pytest -q -s tests/test_stress.py
 
+# The documentation site, built strict: a broken link, a missing reference or a docstring
+# that fails to render fails the build. The site lands in build/site.
+$(VENV)/.docs-installed: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-serve: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
 lint: install
 	$(VENV)/bin/ruff check src tests examples benchmarks
 	$(VENV)/bin/ruff format --check src tests examples benchmarks
@@ -68,4 +80,4 @@ typecheck: install
 check: lint typecheck test
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build site *.egg-info src/*.egg-info

@@ -537,9 +537,11 @@ class TierController(AsyncResource):
     Every method must be called from the event loop that opened the controller.
 
     Args:
-        device_pool, host_pool: the L1 and L2 pools (same `KVLayout`).
-        device_allocator, host_allocator: the pools' allocators (created when
-            not given; pass the engine's own device allocator to share it).
+        device_pool: the L1 pool.
+        host_pool: the L2 pool (the same `KVLayout` as ``device_pool``).
+        device_allocator: the device pool's allocator (created when not
+            given; pass the engine's own device allocator to share it).
+        host_allocator: the host pool's allocator (created when not given).
         auto_start_writes: start queued writes on the next loop iteration
             (off: at `start_writing`; a `backup` starts its own write either way).
         track_acks: keep finished write acks for `drain_acks` (what an
@@ -549,8 +551,9 @@ class TierController(AsyncResource):
             more than moving this much (256 KiB: tens of microseconds of memcpy). 0
             disables it; CUDA never runs copies inline.
         model: the model name folded into storage keys.
-        tp_rank, tp_size: this tensor-parallel shard (folded into storage keys;
-            for MLA only rank 0 writes to storage).
+        tp_rank: this tensor-parallel shard (folded into storage keys; for
+            MLA only rank 0 writes to storage).
+        tp_size: the number of tensor-parallel shards.
         tp_group: a ``torch.distributed`` process group over the TP ranks:
             prefetch hit counts are agreed across it (MIN).
         storage_config: prefetch / backup knobs (`StorageTierConfig`).

@@ -144,10 +144,11 @@ class DeviceKVPool:
         layout: the model's KV layout.
         num_slots: token slots; a multiple of the page size.
         device: ``"cpu"`` or a CUDA device.
-        k_buffers, v_buffers: MHA tensors an engine already owns, to wrap
-            instead of allocating (one per layer, right shape, dtype, device,
-            contiguous; no two may share memory, though they may be disjoint
-            views of one larger tensor).
+        k_buffers: MHA K tensors an engine already owns, to wrap instead of
+            allocating (one per layer, right shape, dtype, device, contiguous;
+            no two may share memory, though they may be disjoint views of
+            one larger tensor).
+        v_buffers: the V tensors, as ``k_buffers``.
         kv_buffers: the same for MLA.
 
     Raises:

@@ -263,8 +263,8 @@ class FileBackend(StorageBackend):
             ``None``: `default_concurrency` (the CPUs, clamped to [2, 16]).
         scan: index the existing tree and remove stale temporary files when
             the backend starts.
-        dir_mode, file_mode: permissions of created directories and files
-            (private by default).
+        dir_mode: permissions of created directories (private by default).
+        file_mode: permissions of created files (private by default).
 
     Raises:
         ConfigError: bad options.
