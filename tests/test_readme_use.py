@@ -1,9 +1,10 @@
-"""The README's "Use" snippet, as written, serves every prompt.
+"""The ``serve`` coroutine of the README and of the asyncio server guide, as written, serves every prompt.
 
-The ``serve`` coroutine is taken verbatim from the README and run against a
+The ``serve`` coroutine is taken verbatim from each page and run against a
 small cache and `TinyCausalLM` (the snippet's ``model``), for prompts of every
 length around the page size and for exact repeats of them, concurrently. Its
-cached KV must give the same logits as a computation from scratch.
+cached KV must give the same logits as a computation from scratch. (Each
+snippet also runs whole as a script: `tests/test_docs_snippets.py`.)
 """
 
 from __future__ import annotations
@@ -20,20 +21,22 @@ from tiercache import TierCache, TierCacheConfig
 from tiercache.memory.pools import DeviceKVPool
 from tiercache.models import TinyCausalLM, TinyConfig
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [
+    ROOT / "README.md",
+    ROOT / "docs" / "index.md",
+    ROOT / "docs" / "guides" / "asyncio-server.md",
+]
 PS = 16
 
 
-def readme_serve() -> str:
-    """The source of ``serve`` in the README's "Use" section."""
-    text = README.read_text()
-    use = text[text.index("## Use") :]
-    block = re.search(r"```python\n(.*?)```", use, re.S)
-    assert block is not None, "the Use section has no python block"
-    code = block.group(1)
-    m = re.search(r"^async def serve\(.*?(?=^\S)", code, re.S | re.M)
-    assert m is not None, "the Use snippet defines no serve()"
-    return m.group(0)
+def page_serve(page: Path) -> str:
+    """The source of ``serve`` in the first python block of ``page`` that defines it."""
+    for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+        m = re.search(r"^async def serve\(.*?(?=^\S)", block, re.S | re.M)
+        if m is not None:
+            return m.group(0)
+    raise AssertionError(f"{page} has no python block that defines serve()")
 
 
 class RecordingModel:
@@ -49,13 +52,16 @@ class RecordingModel:
         return out
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 @pytest.mark.parametrize("length", [1, PS - 1, PS, PS + 1, 2 * PS, 3 * PS + 5])
-async def test_the_readme_use_snippet_serves_every_prompt_and_its_repeat(length: int) -> None:
+async def test_the_serve_snippet_serves_every_prompt_and_its_repeat(
+    length: int, page: Path
+) -> None:
     tiny = TinyCausalLM(TinyConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1))
     model = RecordingModel(tiny)
     lay = tiny.kv_layout(PS)
     namespace: dict[str, Any] = {"asyncio": asyncio, "torch": torch, "model": model}
-    exec(compile(readme_serve(), str(README), "exec"), namespace)
+    exec(compile(page_serve(page), str(page), "exec"), namespace)
     serve = namespace["serve"]
     config = TierCacheConfig(
         num_layers=lay.num_layers,
