@@ -32,6 +32,7 @@ import dataclasses
 import random
 import tempfile
 import warnings
+from typing import Any
 
 import torch
 
@@ -46,8 +47,8 @@ from tiercache import page_hashes
 LAYERS, HEADS, HEAD_DIM, PAGE, PAGES = 4, 2, 64, 16, 8
 
 
-def host_pool() -> object:
-    """SGLang's device KV pool and, over it, its page_first host pool."""
+def host_pool() -> Any:
+    """SGLang's device KV pool and, over it, its page_first host pool (SGLang's type: Any here)."""
     device = MHATokenToKVPool(
         size=PAGE * 16,
         page_size=PAGE,

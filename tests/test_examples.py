@@ -36,3 +36,46 @@ def test_example_runs(name: str) -> None:
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert CASES[name] in r.stdout
+
+
+#: Examples that need an engine; their own suites run them (make test-sglang, make test-vllm).
+ENGINE_EXAMPLES = {
+    "sglang_backend.py": "tests/integrations/sglang/test_example.py",
+    "vllm_tier.py": "tests/integrations/vllm/test_tier.py",
+}
+
+
+def test_every_example_is_run_here_or_by_its_engine_suite() -> None:
+    names = {p.name for p in EXAMPLES.glob("*.py")}
+    assert names == set(CASES) | set(ENGINE_EXAMPLES)
+    root = EXAMPLES.parent
+    for name, suite in ENGINE_EXAMPLES.items():
+        assert name in (root / suite).read_text(), f"{suite} does not run {name}"
+
+
+def test_every_example_compiles_and_type_checks() -> None:
+    """mypy over all examples, the engine ones included (an engine's modules are Any here)."""
+    files = sorted(str(p) for p in EXAMPLES.glob("*.py"))
+    for f in files:
+        compile(Path(f).read_text(), f, "exec")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--no-error-summary",
+            "--check-untyped-defs",
+            "--ignore-missing-imports",
+            "--follow-imports=silent",
+            "--python-version=3.11",
+            "--config-file=",
+            "--cache-dir",
+            str(EXAMPLES.parent / ".mypy_cache" / "examples"),
+            *files,
+        ],
+        cwd=EXAMPLES.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
