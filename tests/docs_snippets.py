@@ -80,5 +80,11 @@ def snippets_of(path: Path) -> list[Snippet]:
     return found
 
 
+def unread_fences(path: Path) -> int:
+    """Python fences of ``path`` that `snippets_of` does not read (indented, or unclosed)."""
+    text = path.read_text()
+    return text.count("```python") - sum(1 for _ in _FENCE.finditer(text))
+
+
 def all_snippets() -> list[Snippet]:
     return [s for p in doc_files() for s in snippets_of(p)]
