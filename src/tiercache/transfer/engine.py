@@ -207,6 +207,17 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def _token_rows(t: torch.Tensor) -> torch.Tensor:
+    """``(..., H, D)`` -> ``(..., H*D)`` widest-int rows: a view of the same bytes.
+
+    Every gather and scatter of KV goes through such a view: torch has no
+    ``index_copy_`` kernel for the float8 dtypes on a CPU (and none is
+    promised on CUDA), and an integer copy moves the same bytes whatever the
+    KV dtype. Only the last two dims need be contiguous.
+    """
+    return _int_view(t.view(*t.shape[:-2], -1))
+
+
 def _spans(n: int, unit: int, unit_bytes: int) -> list[tuple[int, int]]:
     """``[0, n)`` in spans of whole ``unit`` items whose bytes stay within `MAX_TEMP_BYTES`.
 
@@ -604,12 +615,13 @@ class CopyEngine:
         host = self.host_pool
         token_bytes = self.layout.num_layers * self.layout.token_layer_bytes
         for lo, hi in _spans(plan.num_tokens, self.layout.page_size, token_bytes):
-            gathered = src_all.index_select(1, plan.device_indices[lo:hi])
+            gathered = _token_rows(src_all).index_select(1, plan.device_indices[lo:hi])
             idx = plan.host_indices[lo:hi]
+            dst = _token_rows(host.buffer[b])
             if host.host_layout == "layer_first":
-                host.buffer[b].index_copy_(1, idx, gathered.to("cpu"))
+                dst.index_copy_(1, idx, gathered.to("cpu"))
             else:
-                host.buffer[b].index_copy_(0, idx, gathered.transpose(0, 1).to("cpu"))
+                dst.index_copy_(0, idx, gathered.transpose(0, 1).to("cpu"))
 
     def _backup_layer(self, b: int, layer: int, plan: TransferPlan) -> None:
         src = self.device_pool.buffers[b][layer]
@@ -618,8 +630,8 @@ class CopyEngine:
             self._copy_runs(dst, src, [(d0, h0, n) for h0, d0, n in plan.runs])
             return
         for lo, hi in _spans(plan.num_tokens, self.layout.page_size, self.layout.token_layer_bytes):
-            gathered = src.index_select(0, plan.device_indices[lo:hi])
-            dst.index_copy_(0, plan.host_indices[lo:hi], gathered.to("cpu"))
+            gathered = _token_rows(src).index_select(0, plan.device_indices[lo:hi])
+            _token_rows(dst).index_copy_(0, plan.host_indices[lo:hi], gathered.to("cpu"))
 
     # -- host -> device -------------------------------------------------------
 
@@ -683,6 +695,7 @@ class CopyEngine:
         """
         staging = self.staging
         per_token = self.layout.token_layer_bytes
+        src, dst = _token_rows(src), _token_rows(dst)
         for lo, hi in _spans(plan.num_tokens, self.layout.page_size, per_token):
             host_idx, dev_idx = plan.host_indices[lo:hi], plan.device_indices[lo:hi]
             if staging is None:
