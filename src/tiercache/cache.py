@@ -1680,7 +1680,12 @@ class TierCache(AsyncResource):
             its storage hits.
         """
         n = match.storage_candidate_tokens
-        if not ctl.storage_attached or n <= 0 or n < self.config.prefetch_threshold:
+        if not ctl.storage_attached:
+            return 0, 0
+        if n <= 0 or n < self.config.prefetch_threshold:
+            # Decided from this rank's own index: with a TP group it still
+            # joins the agreement (with 0), so a rank that does prefetch never waits.
+            ctl.abstain_prefetch()
             return 0, 0
         start = match.index.matched_length
         parent = match.index.last_node
@@ -1870,6 +1875,8 @@ class TierCache(AsyncResource):
                 self.index.unlock(held)
                 self._notify_room()
             m = self._match(key, extra_key)
+        elif prefetch:
+            self.controller.abstain_prefetch()  # TP: every rank joins each request's agreement
         prefix, handle = await self._load_back(m, own=0, fresh=True)
         node = self.index.match_prefix(
             key[: prefix.numel()], extra_key, touch=False, checked=True
