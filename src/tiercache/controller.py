@@ -1233,7 +1233,7 @@ class TierController(AsyncResource):
                 engine.load_all_layers(plan, landed)
             except BaseException as e:
                 stream.settle()  # what was queued finishes before anyone frees the slots
-                layers.mark_failed(e)
+                layers.mark_failed(e, settled=True)  # queued layers landed
                 raise
             return Completion(steps, on_error=layers.mark_failed, keep=plan)
 
