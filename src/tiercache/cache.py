@@ -425,7 +425,11 @@ class TierCache(AsyncResource):
 
         def build() -> tuple[DeviceKVPool, HostKVPool]:
             dev = self._device_pool or DeviceKVPool(lay, cfg.device_tokens, device or cfg.device)
-            host = HostKVPool(lay, cfg.resolved_host_tokens(), host_layout=cfg.host_layout)
+            # Pinned in the device pool's context, not device 0's (this thread chose none).
+            on = dev.device if dev.device.type == "cuda" else None
+            host = HostKVPool(
+                lay, cfg.resolved_host_tokens(), host_layout=cfg.host_layout, device=on
+            )
             return dev, host
 
         try:
