@@ -240,3 +240,16 @@ async def test_a_ready_event_recorded_again_after_submission_keeps_its_first_poi
             for b in range(2)
             for x in range(2)
         )
+
+
+def test_a_cuda_index_tensor_is_read_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Reading it waits for the GPU on the calling thread: said once, loudly."""
+    from tiercache.memory import allocator
+
+    allocator._warned_device_indices = False
+    slots = torch.arange(2 * PS, dtype=torch.int64, device="cuda")
+    with caplog.at_level("WARNING", logger="tiercache.memory.allocator"):
+        got = allocator.check_slot_indices(slots, PS, 64 * PS, "device_indices")
+        allocator.check_slot_indices(slots, PS, 64 * PS, "device_indices")
+    assert got.device.type == "cpu" and torch.equal(got, slots.cpu())
+    assert sum("waits for the GPU" in r.getMessage() for r in caplog.records) == 1
