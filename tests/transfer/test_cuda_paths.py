@@ -203,9 +203,16 @@ def test_scattered_loads_take_staging_slots_in_turn_and_never_wait_for_each_othe
     assert staging.waits > 0
 
 
-def test_a_cuda_engine_allocates_its_staging_when_it_is_made() -> None:
-    """Up front, so cudaHostAlloc never runs while the GPU is busy (checked on CPU memory)."""
-    staging = PinnedStaging(pin=False)
-    assert staging.buffers == ()
-    staging.reserve()
-    assert staging.nbytes == staging.count * staging.slot_bytes
+def test_a_cuda_engine_allocates_its_staging_ring_when_it_is_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Up front, so cudaHostAlloc never runs while the GPU is busy (CPU memory here)."""
+    device = DeviceKVPool(LAYOUT, SLOTS)
+    monkeypatch.setattr(device, "device", torch.device("cuda", 0))
+    engine = CopyEngine(device, HostKVPool(LAYOUT, SLOTS))
+    staging = engine.staging
+    assert staging is not None
+    assert staging.nbytes == staging.count * staging.slot_bytes > 0
+    ring = [b.data_ptr() for b in staging.buffers]
+    staging.take(torch.zeros(1, 8, dtype=torch.int64), 4)
+    assert [b.data_ptr() for b in staging.buffers] == ring  # taking a slot allocates nothing
