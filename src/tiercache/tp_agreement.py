@@ -125,6 +125,8 @@ class Agreements:
             self._groups = free.pop() if free else _Groups()
         self._broken: BaseException | None = None
         self._closed = False
+        self._lock = threading.Lock()
+        self._running = 0  # rounds inside an all-reduce now
         self._threads = [
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tiercache-agree-{n}")
             for n in ("hits", "ends")
@@ -170,11 +172,18 @@ class Agreements:
         groups = self._groups.groups
         assert groups is not None
         t = torch.tensor([round_.tag, -round_.tag, *round_.values], dtype=torch.int64)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the TP agreements are closed")
+            self._running += 1
         try:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=groups[sequence])
         except BaseException as e:
             self._broken = e
             raise
+        finally:
+            with self._lock:
+                self._running -= 1
         low, high = int(t[0]), -int(t[1])
         if low != high:
             logger.warning(
@@ -187,15 +196,22 @@ class Agreements:
         return [int(v) for v in t[2:].tolist()]
 
     def close(self) -> None:
-        """Stop the threads once queued rounds have run; keep the groups for the next user.
+        """Stop the threads; keep the groups for the next `Agreements` over these ranks.
 
-        Blocking; idempotent. Groups whose rounds failed are dropped instead.
+        Rounds still queued are cancelled (every rank closes after the same
+        rounds when they stop together). A round inside an all-reduce now
+        (another rank never joined it) is not waited for: the call returns,
+        the round ends when the group's timeout expires, and its groups are
+        dropped, never handed to the next user. Blocking only for the
+        threads to finish a round they already left; idempotent.
         """
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            stuck = self._running > 0
         for thread in self._threads:
-            thread.shutdown(wait=True)
-        if self._broken is None and self._groups.groups is not None:
+            thread.shutdown(wait=not stuck, cancel_futures=True)
+        if not stuck and self._broken is None and self._groups.groups is not None:
             with _free_lock:
                 _free.setdefault(self._key, []).append(self._groups)
