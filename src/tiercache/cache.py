@@ -425,7 +425,11 @@ class TierCache(AsyncResource):
 
         def build() -> tuple[DeviceKVPool, HostKVPool]:
             dev = self._device_pool or DeviceKVPool(lay, cfg.device_tokens, device or cfg.device)
-            host = HostKVPool(lay, cfg.resolved_host_tokens(), host_layout=cfg.host_layout)
+            # Pinned in the device pool's context, not device 0's (this thread chose none).
+            on = dev.device if dev.device.type == "cuda" else None
+            host = HostKVPool(
+                lay, cfg.resolved_host_tokens(), host_layout=cfg.host_layout, device=on
+            )
             return dev, host
 
         try:
@@ -1680,7 +1684,12 @@ class TierCache(AsyncResource):
             its storage hits.
         """
         n = match.storage_candidate_tokens
-        if not ctl.storage_attached or n <= 0 or n < self.config.prefetch_threshold:
+        if not ctl.storage_attached:
+            return 0, 0
+        if n <= 0 or n < self.config.prefetch_threshold:
+            # Decided from this rank's own index: with a TP group it still
+            # joins the agreement (with 0), so a rank that does prefetch never waits.
+            ctl.abstain_prefetch()
             return 0, 0
         start = match.index.matched_length
         parent = match.index.last_node
@@ -1870,6 +1879,8 @@ class TierCache(AsyncResource):
                 self.index.unlock(held)
                 self._notify_room()
             m = self._match(key, extra_key)
+        elif prefetch:
+            self.controller.abstain_prefetch()  # TP: every rank joins each request's agreement
         prefix, handle = await self._load_back(m, own=0, fresh=True)
         node = self.index.match_prefix(
             key[: prefix.numel()], extra_key, touch=False, checked=True

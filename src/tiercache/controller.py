@@ -568,6 +568,10 @@ class TierController(AsyncResource):
             a `HostKVPool` and `PageAllocator` instances, or that do not match.
     """
 
+    #: CUDA: the side stream where a caller's ready event is pinned at
+    #: submission (`ready_event`); made on first use.
+    _ready_stream: torch.cuda.Stream | None = None
+
     def __init__(
         self,
         device_pool: DeviceKVPool,
@@ -877,8 +881,11 @@ class TierController(AsyncResource):
         Runs synchronously in the submitting call, on the caller's thread: the
         default is an event recorded *now* on the caller's current stream of
         the pool's device, so the copy is ordered after everything the caller
-        queued before it submitted. ``None`` on a CPU device, where the
-        caller's work is done when it calls us.
+        queued before it submitted. A caller's event is pinned now too: a
+        side stream waits for it as recorded at this call and a private event
+        is recorded after that wait, so recording the caller's event again
+        later does not move the copy's ordering point. ``None`` on a CPU
+        device, where the caller's work is done when it calls us.
 
         Raises:
             InvalidInputError: ``ready`` is neither ``None``, a CUDA event nor a
@@ -896,7 +903,13 @@ class TierController(AsyncResource):
             ev.record(torch.cuda.current_stream(device))
             return ev
         if isinstance(ready, torch.cuda.Event):
-            return ready
+            side = self._ready_stream
+            if side is None:
+                side = self._ready_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            side.wait_event(ready)  # the event as recorded now
+            ev = new_event()
+            ev.record(side)
+            return ev
         if isinstance(ready, torch.cuda.Stream):
             if ready.device != device:
                 raise InvalidInputError(
@@ -1236,7 +1249,7 @@ class TierController(AsyncResource):
                 engine.load_all_layers(plan, landed)
             except BaseException as e:
                 stream.settle()  # what was queued finishes before anyone frees the slots
-                layers.mark_failed(e)
+                layers.mark_failed(e, settled=True)  # queued layers landed
                 raise
             return Completion(steps, on_error=layers.mark_failed, keep=plan)
 

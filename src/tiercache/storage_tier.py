@@ -8,7 +8,8 @@ thread and a backup thread polling queues, `StorageTier` runs:
   hashes their pages, asks the backend ``batch_exists`` 128 pages at a time,
   stops at the first miss, agrees the hit count across tensor-parallel ranks
   with one all-reduce (MIN) per operation, and revokes operations under the
-  threshold;
+  threshold (with a TP group, the ranks also agree an ``auto_detach``, and the
+  tokens each operation completed: `tiercache.tp_agreement`);
 * bounded-concurrency **IO coroutines** that fill host pages batch by batch,
   growing ``completed_tokens`` only over a contiguous prefix whose bytes are in
   place;
@@ -34,7 +35,6 @@ raised once, at the owner's next call or at its close.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import functools
 import logging
@@ -65,6 +65,7 @@ from tiercache.memory.pools import HostKVPool
 from tiercache.observe import observe
 from tiercache.storage.base import PageBuffer, PageKey, StorageBackend
 from tiercache.storage.keys import StorageNamespace
+from tiercache.tp_agreement import Agreements, Round, tp_ranks
 
 __all__ = [
     "FAULT_POLICIES",
@@ -91,37 +92,24 @@ class _Abstain:
     """A prefetch this rank did not start (storage down, rate limited): the query
     loop still takes part in the hit-count agreement, with 0 hits."""
 
+    __slots__ = ("seq",)
 
-_ABSTAIN = _Abstain()
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
 
 
 def collective_device(tp_group: Any, pool_device: torch.device) -> torch.device:
-    """The device of the tensor the TP hit-count agreement reduces over ``tp_group``.
+    """Check ``tp_group`` and return the device the TP agreements reduce on: the CPU.
 
-    A gloo (or MPI) group reduces a CPU tensor; an NCCL group needs a tensor on
-    this rank's GPU (a CPU tensor makes NCCL fail and would stop the prefetch
-    loop). A group with both backends (``"cpu:gloo,cuda:nccl"``) uses gloo.
+    Whatever the group's backend (gloo, NCCL, both), the agreements run over
+    gloo groups of their own over its ranks (`tiercache.tp_agreement`): never
+    on a CUDA stream, never interleaved with the model's collectives.
 
     Raises:
-        ConfigError: ``tp_group`` is not a process group, uses a backend other
-            than gloo, MPI or NCCL, or is NCCL with a CPU device pool.
+        ConfigError: ``tp_group`` is not a usable process group.
     """
-    import torch.distributed as dist
-
-    try:
-        backend = str(dist.get_backend(tp_group)).lower()
-    except (RuntimeError, ValueError, TypeError, AttributeError) as e:
-        raise ConfigError(f"tp_group is not a usable torch.distributed process group: {e}") from e
-    if "gloo" in backend or "mpi" in backend:
-        return torch.device("cpu")
-    if "nccl" in backend:
-        if pool_device.type != "cuda":
-            raise ConfigError(
-                "tp_group is an NCCL group but the device pool is on "
-                f"{pool_device}: pass a gloo group (dist.new_group(ranks, backend='gloo'))"
-            )
-        return pool_device
-    raise ConfigError(f"tp_group backend {backend!r} is not supported: use gloo or nccl")
+    tp_ranks(tp_group)
+    return torch.device("cpu")
 
 
 class PrefetchState(enum.Enum):
@@ -159,6 +147,9 @@ class StorageTierConfig:
     fault_threshold: int = 5
     reconnect_backoff_s: float = 0.5
     reconnect_backoff_max_s: float = 30.0
+    #: With a TP group: how long an agreement round waits for the other ranks
+    #: before the agreements fail (a rank that stopped taking part).
+    tp_agreement_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.fault_policy not in FAULT_POLICIES:
@@ -173,7 +164,12 @@ class StorageTierConfig:
             "fault_threshold",
         ):
             check_int(getattr(self, name), name, minimum=1, error=ConfigError)
-        for name in ("timeout_s", "reconnect_backoff_s", "reconnect_backoff_max_s"):
+        for name in (
+            "timeout_s",
+            "reconnect_backoff_s",
+            "reconnect_backoff_max_s",
+            "tp_agreement_timeout_s",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
                 raise ConfigError(f"{name} must be a positive number, got {v!r}")
@@ -383,6 +379,13 @@ class PrefetchOperation(_Completion):
         self._io_tasks: set[asyncio.Task[Any]] = set()
         self._released = False  # the completed prefix was handed over
         self._on_handover = on_handover
+        #: With a TP group: the number of the `StorageTier.prefetch` call that
+        #: made it (the same on every rank), and, once it has ended on this
+        #: rank while its completed tokens are still to be agreed, how it ended.
+        self._seq = -1
+        self._local_end: PrefetchState | None = None
+        self._agreeing = False  # its hits were agreed > 0: its completion is agreed too
+        self._ended_locally = asyncio.Event()
 
     @property
     def num_tokens(self) -> int:
@@ -640,16 +643,22 @@ class StorageTier:
         # before it are no longer counted in _held_tokens.
         self._held_generation = 0
         self._finished_backups: deque[BackupOperation] = deque()
-        self._collective = None
-        self._collective_device = torch.device("cpu")
+        # With a TP group, two sequences of agreements (`tiercache.tp_agreement`),
+        # each over a gloo group of its own, on a thread of its own: the hit
+        # counts (and the detach of a failing backend) in prefetch-call order,
+        # then the completed tokens of every prefetch that loads, in the same
+        # order. Neither sequence waits for the other, so each is the same on
+        # every rank however the ranks' storage calls are timed.
+        self._seq = 0  # prefetch calls so far (abstentions included)
+        self._agreements: Agreements | None = None
+        self._ends_queue: asyncio.Queue[PrefetchOperation | None] = asyncio.Queue()
+        self._ends_task: asyncio.Task[None] | None = None
+        self._detach_wanted = False  # auto_detach under TP: proposed at the next agreement
         if tp_group is not None:
-            self._collective_device = collective_device(tp_group, slots.device)
-            import concurrent.futures
-
-            # Collectives must be issued in the same order on every rank: one thread.
-            self._collective = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="tiercache-collective"
+            self._agreements = Agreements(
+                tp_ranks(tp_group), timeout_s=config.tp_agreement_timeout_s
             )
+            self._ends_task = tasks.spawn(self._ends_loop(), "the TP completion agreement")
         self._closing = False
         self._failures = 0  # consecutive failed backend calls
         self.down = False  # auto_reconnect: the backend is not called until a probe succeeds
@@ -743,6 +752,16 @@ class StorageTier:
         if self.down:
             return
         self.down = True
+        if policy == "auto_detach" and self._agreements is not None:
+            # Under TP every rank detaches at the same agreement, or the ranks
+            # that keep the backend wait in agreements this rank never joins.
+            logger.warning(
+                "storage backend %s failed %d times in a row: proposing to detach it on every TP rank",
+                self.backend.name,
+                self._failures,
+            )
+            self._detach_wanted = True
+            return
         if policy == "auto_detach":
             self.stats.auto_detaches += 1
             logger.warning(
@@ -840,6 +859,7 @@ class StorageTier:
             self._loop.create_future(),
             page_size=self.page_size,
         )
+        op._seq = self._next_seq()
         self._held_tokens += op.num_tokens
         self.slots.hold(host, fill=True)
         self._add_op(op)
@@ -876,8 +896,13 @@ class StorageTier:
         neither blocks the others nor desynchronises their collectives; the
         MIN it contributes (0) revokes the prefetch on every rank.
         """
-        if self.tp_group is not None:
-            self._query_queue.put_nowait(_ABSTAIN)
+        if self._agreements is not None:
+            self._query_queue.put_nowait(_Abstain(self._next_seq()))
+
+    def _next_seq(self) -> int:
+        seq = self._seq
+        self._seq += 1
+        return seq
 
     async def _query_loop(self) -> None:
         while True:
@@ -885,10 +910,13 @@ class StorageTier:
             if op is None:
                 return
             if isinstance(op, _Abstain):
-                await self._agree_min(0)
+                _, healthy = await self._agree_hits(op.seq, 0)
+                if not healthy:
+                    return  # every rank stops here: the backend is detached on all
                 continue
             try:
-                await self._query(op)
+                if not await self._query(op):
+                    return
             except asyncio.CancelledError:
                 self._end(op, PrefetchState.TERMINATED)
                 raise
@@ -917,37 +945,97 @@ class StorageTier:
             op.error = _untraced(e)
         return hit_pages
 
-    async def _query(self, op: PrefetchOperation) -> None:
+    async def _query(self, op: PrefetchOperation) -> bool:
+        """Count ``op``'s hits, agree them, then load or end it; whether the loop goes on.
+
+        ``False``: the ranks agreed to detach the backend (``auto_detach``):
+        the query loop stops on every rank at this same agreement.
+        """
         hit_pages = 0 if op._frozen else await self._count_hits(op)
-        # Every rank makes exactly one collective per operation, whatever its data.
-        hit_pages = await self._agree_min(hit_pages)
+        # Every rank makes exactly one agreement per prefetch call, whatever its data.
+        hit_pages, healthy = await self._agree_hits(op._seq, hit_pages)
         hit_tokens = hit_pages * self.page_size
+        if not healthy:
+            hit_tokens = 0
         op.storage_hit_tokens = hit_tokens
+        if not healthy:
+            self._end(op, PrefetchState.REVOKED)
+            return False
+        if hit_tokens < max(self.config.prefetch_threshold, 1):
+            # Agreed on every rank: no rank loads, no completion to agree.
+            if op._frozen:
+                self._end(op, PrefetchState.TERMINATED)
+            else:
+                self.stats.prefetch_revoked += 1
+                self._end(op, PrefetchState.REVOKED)
+            return True
+        if self._agreements is not None:
+            # Every rank loads it (or, terminated here, contributes 0): its
+            # completed tokens are agreed once it has ended on every rank.
+            op._agreeing = True
+            self._ends_queue.put_nowait(op)
         if op._frozen:
             self._end(op, PrefetchState.TERMINATED)
-        elif hit_tokens < max(self.config.prefetch_threshold, 1):
-            self.stats.prefetch_revoked += 1
-            self._end(op, PrefetchState.REVOKED)
         else:
             self.stats.prefetch_tokens_hit += hit_tokens
             op.state = PrefetchState.LOADING
             self._loads[op] = self.tasks.spawn(self._load(op, hit_pages), "a storage prefetch")
+        return True
 
-    async def _agree_min(self, value: int) -> int:
-        if self.tp_group is None:
-            return value
-        import torch.distributed as dist
+    async def _agree_hits(self, seq: int, hit_pages: int) -> tuple[int, bool]:
+        """The MIN of the ranks' hit pages for prefetch call ``seq``, and whether every
+        rank keeps the backend (``False``: one proposes ``auto_detach``, and every
+        rank detaches it now). Without a TP group: this rank's own answer.
 
-        group = self.tp_group
-        device = self._collective_device
+        A failed agreement (a rank gone) is a miss, and the backend is detached.
+        """
+        agreements = self._agreements
+        if agreements is None:
+            return hit_pages, True
+        proposal = Round(2 * seq, [hit_pages, 0 if self._detach_wanted else 1])
+        try:
+            job = agreements.agree(Agreements.HITS, proposal)
+            hits, healthy = await finish(asyncio.wrap_future(job))
+        except Exception as e:
+            logger.error("the TP hit-count agreement failed: %r; detaching the backend", e)
+            hits, healthy = 0, 0
+        if not healthy and not self._closing:
+            self.down = True
+            self.stats.auto_detaches += 1
+            logger.warning(
+                "a TP rank gave up on its storage backend: detaching %s on this rank too",
+                self.backend.name,
+            )
+            self.slots.storage_failed(self)
+        return hits, bool(healthy)
 
-        def reduce() -> int:
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                t = torch.tensor([value], dtype=torch.int64, device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-                return int(t.item())
+    async def _ends_loop(self) -> None:
+        """Agree, prefetch by prefetch in call order, the tokens each one completed (MIN).
 
-        return await finish(self._loop.run_in_executor(self._collective, reduce))
+        An operation that loads ends on each rank on its own (done, failed,
+        terminated); it ends for its caller once every rank has, with the
+        MIN of what they completed: every rank then hands over the same
+        prefix, as SGLang's all-reduce on completion does.
+        """
+        agreements = self._agreements
+        assert agreements is not None
+        while True:
+            op = await self._ends_queue.get()
+            if op is None:
+                return
+            await op._ended_locally.wait()
+            proposal = Round(2 * op._seq + 1, [op.completed_tokens])
+            try:
+                job = agreements.agree(Agreements.ENDS, proposal)
+                (agreed,) = await finish(asyncio.wrap_future(job))
+            except Exception as e:
+                logger.error("the TP completion agreement failed: %r; taking 0 tokens", e)
+                agreed = 0
+            state = op._local_end
+            assert state is not None
+            if agreed < op.completed_tokens:
+                op.completed_tokens = agreed
+            self._finish(op, state)
 
     async def _load(self, op: PrefetchOperation, hit_pages: int) -> None:
         """Read ``op``'s first ``hit_pages`` pages into its host slots, then end it.
@@ -1007,6 +1095,20 @@ class StorageTier:
                 op.completed_tokens = prefix.pages * ps
 
     def _end(self, op: PrefetchOperation, state: PrefetchState) -> None:
+        """``op`` ended on this rank: finish it, or (TP, loading) let the ranks agree first.
+
+        Nothing writes into its slots any more when this is called.
+        """
+        if op.done() or op._local_end is not None:
+            return
+        op._frozen = True
+        if op._agreeing:
+            op._local_end = state
+            op._ended_locally.set()
+            return
+        self._finish(op, state)
+
+    def _finish(self, op: PrefetchOperation, state: PrefetchState) -> None:
         """Final state, then free the host slots past completed_tokens (nothing writes them now)."""
         if op.done():
             return
@@ -1231,8 +1333,13 @@ class StorageTier:
         # Operations still queued for the query loop never started: end them now.
         for op in list(self._ops):
             self._end(op, PrefetchState.TERMINATED)
-        if self._collective is not None:
-            await asyncio.to_thread(self._collective.shutdown, True)
+        if self._ends_task is not None:
+            # The loads ended: agree what each completed (the other ranks stop too).
+            self._ends_queue.put_nowait(None)
+            await asyncio.wait([self._ends_task])
+            self._ends_task = None
+        if self._agreements is not None:
+            await asyncio.to_thread(self._agreements.close)
         if self.owns_backend:
             try:
                 await self.backend.aclose()

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tiercache import DeviceKVPool, HostKVPool, KVLayout
+from tiercache.errors import InvalidInputError
 from tiercache.transfer import engine as engine_module
 from tiercache.transfer.engine import MAX_TEMP_BYTES, CopyEngine, PinnedStaging, _spans
 from tiercache.transfer.streams import CopyStream, copy_helper
@@ -272,22 +273,21 @@ def test_a_scattered_cpu_load_copies_in_chunks_of_at_most_the_bound(
     assert len(log.copies) == pieces * (2 // buffers) * LAYOUT.num_layers
 
 
-def test_pinned_staging_buffers_take_turns_and_grow_to_the_largest_span() -> None:
-    staging = PinnedStaging(pin=False, count=2)
-    like = torch.zeros(100, 2, 8, dtype=torch.float16)
-    i0, a = staging.take(like, 10)
-    i1, b = staging.take(like, 10)
-    assert (i0, i1) == (0, 1)
-    assert a.shape == (10, 2, 8) and a.dtype == torch.float16
-    assert a.data_ptr() != b.data_ptr()  # the next span never overwrites the one in flight
-    i2, c = staging.take(like, 4)
-    assert i2 == 0 and c.data_ptr() == a.data_ptr()  # reused, not reallocated
-    _, d = staging.take(like, 40)
-    assert d.shape == (40, 2, 8)
-    assert staging.nbytes == (10 + 40) * 2 * 8 * 2
-    staging.release(0)  # no CUDA: nothing to wait for later
-    _, e = staging.take(like, 3)
-    assert e.data_ptr() == a.data_ptr()
+def test_the_staging_ring_is_allocated_once_and_its_slots_are_taken_in_turn() -> None:
+    staging = PinnedStaging(pin=False, count=3, slot_bytes=1024)
+    assert staging.nbytes == 0
+    staging.reserve()
+    assert staging.nbytes == 3 * 1024
+    arena = staging.buffers[0].data_ptr()
+    like = torch.zeros(100, 2, 8, dtype=torch.float16)  # 32 bytes a row
+    taken = [staging.take(like, 10) for _ in range(4)]
+    assert [i for i, _ in taken] == [0, 1, 2, 0]
+    assert taken[0][1].shape == (10, 2, 8) and taken[0][1].dtype == torch.float16
+    assert [t.data_ptr() - arena for _, t in taken] == [0, 1024, 2048, 0]
+    assert staging.nbytes == 3 * 1024  # never grows
+    assert staging.rows(32, 4) == 32
+    with pytest.raises(InvalidInputError):
+        staging.take(like, 33)  # more than a slot holds
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
@@ -313,7 +313,7 @@ def test_a_load_gathers_short_scattered_runs_through_the_staging_buffers(
     assert plan.runs is None and plan.device_runs is None
     want = _expect(device, d)
     engine.backup_all_layers(plan)
-    staging = PinnedStaging(pin=False)
+    staging = PinnedStaging(pin=False, slot_bytes=limit)
     takes: list[int] = []
     real_take = staging.take
 
@@ -331,7 +331,7 @@ def test_a_load_gathers_short_scattered_runs_through_the_staging_buffers(
     assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
     spans = len(host_pages) // 2
     assert takes == [2 * PS] * (spans * LAYOUT.num_buffers * LAYOUT.num_layers)
-    assert staging.nbytes == 2 * 2 * PS * LAYOUT.token_layer_bytes  # two buffers of one span
+    assert staging.nbytes == staging.count * staging.slot_bytes  # the ring, allocated once
 
 
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import NoReturn
 
 import numpy as np
@@ -15,8 +16,13 @@ from tiercache.errors import DoubleFreeError, InvalidInputError
 __all__ = ["PageAllocator", "check_slot_indices", "check_slot_pages", "page_ids"]
 
 
+logger = logging.getLogger(__name__)
+
 #: Up to this many slots, `check_slot_indices` checks them as Python ints.
 _SMALL = 256
+
+#: Whether `_int64_vector` has warned about a device tensor (once a process).
+_warned_device_indices = False
 
 #: Up to this many pages, a page listed twice is looked for with a set.
 _FEW_PAGES = 64
@@ -31,6 +37,12 @@ def check_slot_indices(
     ``page_size`` and whose every page is ``page_size`` consecutive slots
     starting at a multiple of ``page_size``: exactly what `PageAllocator.alloc`
     hands out.
+
+    A tensor on a CUDA device is read on the host: the copy waits for the
+    work queued on the calling thread's current stream (its values may be
+    produced there), so the calling thread (the event loop, for a verb)
+    waits for the GPU. Pass CPU tensors, as the allocators return, to keep
+    the loop free; the first CUDA tensor logs a warning.
 
     Raises:
         InvalidInputError: wrong type, dtype, layout (sparse or meta: no
@@ -89,7 +101,18 @@ def _int64_vector(indices: object, page_size: int, what: str) -> torch.Tensor:
     n = indices.numel()
     if n % page_size:
         raise InvalidInputError(f"{what} has {n} slots, not a multiple of page_size={page_size}")
-    return indices.cpu() if indices.device.type != "cpu" else indices
+    if indices.device.type == "cpu":
+        return indices
+    global _warned_device_indices
+    if not _warned_device_indices:
+        _warned_device_indices = True
+        logger.warning(
+            "%s is a %s tensor: reading it waits for the GPU on the calling thread "
+            "(the event loop, for a verb); pass CPU slot tensors",
+            what,
+            indices.device,
+        )
+    return indices.cpu()
 
 
 def _misaligned(page_size: int, what: str) -> InvalidInputError:

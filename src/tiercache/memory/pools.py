@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import weakref
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -89,15 +90,25 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def _on_device(device: torch.device | None) -> Any:
+    """``torch.cuda.device(device)``, or nothing when ``device`` is ``None``.
+
+    A CUDA call made on a thread that never chose a device runs in device 0's
+    context, creating it if needed (about 0.5 GiB on every rank not on GPU 0).
+    """
+    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+
+
 def _registered_buffer(
-    shape: tuple[int, ...], dtype: torch.dtype, nbytes: int
+    shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, device: torch.device | None = None
 ) -> tuple[torch.Tensor, int]:
     """A pageable buffer of ``shape`` page-locked in place with ``cudaHostRegister``.
 
     ``torch.empty(pin_memory=True)`` goes through torch's caching host
     allocator, which rounds every block up to a power of two: a 40 GiB pool
     would lock 64 GiB. Registering plain memory locks exactly the pages the
-    buffer spans. Returns the tensor and the bytes locked.
+    buffer spans. Returns the tensor and the bytes locked. The call runs in
+    ``device``'s context (the calling thread's current device if ``None``).
 
     Raises:
         RuntimeError: the driver refused to register the memory.
@@ -107,23 +118,28 @@ def _registered_buffer(
     skip = -raw.data_ptr() % _HOST_PAGE
     region = raw[skip : skip + locked]
     # cudaHostRegisterPortable (1): pinned for every CUDA context of the process.
-    err = int(
-        torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
-            region.data_ptr(), locked, 1
+    with _on_device(device):
+        err = int(
+            torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+                region.data_ptr(), locked, 1
+            )
         )
-    )
     if err != 0:
         raise RuntimeError(f"cudaHostRegister of {locked} bytes failed with CUDA error {err}")
     buf = region[:nbytes].view(dtype).view(shape)
     return buf, locked
 
 
-def _unregister(buffer: torch.Tensor) -> None:
-    """Unlock a `_registered_buffer` (its pool is gone; views of it stay valid, pageable)."""
+def _unregister(buffer: torch.Tensor, device: torch.device | None = None) -> None:
+    """Unlock a `_registered_buffer` (its pool is gone; views of it stay valid, pageable).
+
+    Runs in ``device``'s context: the collector may call it on any thread.
+    """
     try:
-        torch.cuda.cudart().cudaHostUnregister(  # type: ignore[no-untyped-call]
-            buffer.data_ptr()
-        )
+        with _on_device(device):
+            torch.cuda.cudart().cudaHostUnregister(  # type: ignore[no-untyped-call]
+                buffer.data_ptr()
+            )
     except Exception:  # interpreter shutdown: the process unmaps it anyway
         pass
 
@@ -387,10 +403,16 @@ class HostKVPool:
             ``cudaHostRegister``: it locks `pinned_bytes`, its size rounded up
             to a 4 KiB page (torch's caching host allocator would round it up
             to a power of two). Unlocked when the pool is garbage collected.
+        device: the CUDA device the pool serves (its device pool's): the
+            memory is registered, and later unregistered, in that device's
+            context. Pass it when building the pool on a thread that never
+            chose a device (``asyncio.to_thread``): otherwise the driver uses
+            device 0 and creates a context there. ``None``: the calling
+            thread's current device.
 
     Raises:
         InvalidInputError: bad sizes or layout name; ``pin_memory=True``
-            without CUDA.
+            without CUDA; a ``device`` that is not an indexed CUDA device.
         CapacityError: the pool does not fit in the host memory available.
     """
 
@@ -402,6 +424,7 @@ class HostKVPool:
         size_bytes: int | None = None,
         host_layout: str = "layer_first",
         pin_memory: bool | None = None,
+        device: torch.device | str | int | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -423,6 +446,14 @@ class HostKVPool:
         self.pinned = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         if self.pinned and not torch.cuda.is_available():
             raise InvalidInputError("pin_memory=True needs CUDA, which is not available")
+        #: The CUDA device whose context page-locks the pool (``None``: the
+        #: creating thread's current device).
+        self.device: torch.device | None = None
+        if device is not None:
+            dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+            if dev.type != "cuda" or dev.index is None:
+                raise InvalidInputError(f"device must be an indexed CUDA device, got {device!r}")
+            self.device = dev
         B, L, H, D = layout.num_buffers, layout.num_layers, layout.num_kv_heads, layout.head_dim
         shape = (B, L, num_slots, H, D) if host_layout == "layer_first" else (B, num_slots, L, H, D)
         #: Bytes page-locked for this pool (0 when not pinned): the buffer
@@ -430,8 +461,10 @@ class HostKVPool:
         self.pinned_bytes = 0
         try:
             if self.pinned:
-                self.buffer, self.pinned_bytes = _registered_buffer(shape, layout.dtype, need)
-                weakref.finalize(self, _unregister, self.buffer)
+                self.buffer, self.pinned_bytes = _registered_buffer(
+                    shape, layout.dtype, need, self.device
+                )
+                weakref.finalize(self, _unregister, self.buffer, self.device)
             else:
                 self.buffer = torch.empty(shape, dtype=layout.dtype)
         except (RuntimeError, MemoryError) as e:  # out of memory, pinning refused

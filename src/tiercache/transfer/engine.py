@@ -207,6 +207,17 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def _token_rows(t: torch.Tensor) -> torch.Tensor:
+    """``(..., H, D)`` -> ``(..., H*D)`` widest-int rows: a view of the same bytes.
+
+    Every gather and scatter of KV goes through such a view: torch has no
+    ``index_copy_`` kernel for the float8 dtypes on a CPU (and none is
+    promised on CUDA), and an integer copy moves the same bytes whatever the
+    KV dtype. Only the last two dims need be contiguous.
+    """
+    return _int_view(t.view(*t.shape[:-2], -1))
+
+
 def _spans(n: int, unit: int, unit_bytes: int) -> list[tuple[int, int]]:
     """``[0, n)`` in spans of whole ``unit`` items whose bytes stay within `MAX_TEMP_BYTES`.
 
@@ -230,69 +241,125 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return _int_view(t.view(t.shape[0], -1))
 
 
+#: The page-locked staging ring of a CUDA engine: `STAGING_SLOTS` slots of
+#: `STAGING_SLOT_BYTES` (64 MiB in all), allocated when the engine is made.
+STAGING_SLOTS = 16
+STAGING_SLOT_BYTES = 4 << 20
+
+
 class PinnedStaging:
-    """Reused host buffers that scattered host rows are gathered into before an upload.
+    """A ring of page-locked slots that scattered host rows are gathered into before an upload.
 
     A gather into pageable memory would make the host->device copy that
     follows synchronous: the copy worker would wait for the DMA before it
     could queue the next layer. Gathered into page-locked memory, the upload
-    is queued asynchronously on the current (copy) stream.
+    is queued asynchronously on the copy stream.
 
-    The buffers are used in turn (two by default), so the gather of one span
-    overlaps the upload of the previous one. Before a buffer is refilled, the
-    host waits (a blocking, non-spinning event) for the upload that last read
-    it. A buffer grows to the largest span a job asks for, never beyond
-    `MAX_TEMP_BYTES`, and is kept for the next job.
+    The slots are used in turn, every layer and K/V of every load taking the
+    next one, so a load never waits for its own uploads, nor a load for the
+    one before it while the ring holds both (`STAGING_SLOTS` x
+    `STAGING_SLOT_BYTES`: 64 MiB by default). Only a slot whose last upload
+    has not finished when the ring comes round to it again is waited for
+    (a blocking, non-spinning event). The memory is allocated once, by
+    `reserve` (the engine calls it when it is made, before any copy runs:
+    ``cudaHostAlloc`` never runs while the GPU is busy).
 
     Used from one thread at a time (the load stream's worker).
 
     Args:
-        pin: page-lock the buffers; only where CUDA is available. Without it
-            (a CPU-only machine) the buffers are ordinary memory and no event
-            is recorded: there is no asynchronous copy to wait for.
-        count: how many buffers to use in turn.
+        pin: page-lock the slots; only where CUDA is available. Without it
+            (a CPU-only machine) the slots are ordinary memory.
+        count: slots in the ring.
+        slot_bytes: bytes of one slot: the most one gather may hold.
+        track: record an event after each upload and wait for it before the
+            slot is refilled (default: ``pin``; there is no asynchronous copy
+            to wait for otherwise).
+        new_event: makes the events (`new_event`; a stand-in in tests).
     """
 
-    def __init__(self, pin: bool, count: int = 2) -> None:
+    def __init__(
+        self,
+        pin: bool,
+        count: int = STAGING_SLOTS,
+        slot_bytes: int = STAGING_SLOT_BYTES,
+        *,
+        track: bool | None = None,
+        new_event: Callable[[], Any] = new_event,
+    ) -> None:
         self.pin = pin and torch.cuda.is_available()
-        self._buffers: list[torch.Tensor | None] = [None] * count
-        self._events: list[torch.cuda.Event | None] = [None] * count
+        self.count = count
+        self.slot_bytes = slot_bytes
+        self.track = self.pin if track is None else track
+        self._new_event = new_event
+        self._arena: torch.Tensor | None = None
+        self._events: list[Any] = [None] * count
         self._next = 0
+        #: Slots whose previous upload was still running when taken (the host waited).
+        self.waits = 0
+
+    def reserve(self) -> None:
+        """Allocate the ring now (once): ``count * slot_bytes`` bytes, page-locked when `pin`."""
+        if self._arena is None:
+            self._arena = torch.empty(
+                self.count * self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin
+            )
+
+    def rows(self, row_bytes: int, unit: int) -> int:
+        """The most rows of ``row_bytes`` one slot holds, in whole ``unit`` rows (at least one unit).
+
+        Raises:
+            InvalidInputError: one unit does not fit in a slot.
+        """
+        n = self.slot_bytes // max(1, row_bytes) // unit * unit
+        if n == 0:
+            raise InvalidInputError(
+                f"a staging slot of {self.slot_bytes} bytes cannot hold {unit} rows of {row_bytes} bytes"
+            )
+        return n
 
     def take(self, like: torch.Tensor, rows: int) -> tuple[int, torch.Tensor]:
-        """A free ``(rows, *like.shape[1:])`` buffer of ``like``'s dtype, and its number.
+        """The next slot as a ``(rows, *like.shape[1:])`` tensor of ``like``'s dtype, and its number.
 
-        Waits for the upload that last read it (if it has not finished).
+        Waits (host) only for a slot whose last upload has not finished.
+
+        Raises:
+            InvalidInputError: ``rows`` rows do not fit in a slot.
         """
+        self.reserve()
+        assert self._arena is not None
+        nbytes = rows * like[0].numel() * like.element_size()
+        if nbytes > self.slot_bytes:
+            raise InvalidInputError(
+                f"{rows} rows of {nbytes // max(1, rows)} bytes do not fit a {self.slot_bytes}-byte slot"
+            )
         i = self._next
-        self._next = (i + 1) % len(self._buffers)
+        self._next = (i + 1) % self.count
         ev = self._events[i]
         if ev is not None:
-            ev.synchronize()
+            if not ev.query():
+                self.waits += 1
+                ev.synchronize()
             self._events[i] = None
-        shape = (rows, *like.shape[1:])
-        nbytes = rows * like[0].numel() * like.element_size()
-        buf = self._buffers[i]
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-            self._buffers[i] = buf
-        return i, buf[:nbytes].view(like.dtype).view(shape)
+        base = i * self.slot_bytes
+        buf = self._arena[base : base + nbytes]
+        return i, buf.view(like.dtype).view((rows, *like.shape[1:]))
 
-    def release(self, i: int) -> None:
-        """Buffer ``i`` has been handed to an upload on the current stream: mark when it ends."""
-        if self.pin:
-            ev = new_event()
-            ev.record()
+    def release(self, i: int, stream: Any = None) -> None:
+        """Slot ``i`` was handed to an upload queued on ``stream`` (the copy stream of
+        the pool's device): record when that upload ends."""
+        if self.track:
+            ev = self._new_event()
+            ev.record(stream)
             self._events[i] = ev
 
     @property
     def buffers(self) -> tuple[torch.Tensor, ...]:
-        """The buffers allocated so far (flat ``uint8``)."""
-        return tuple(b for b in self._buffers if b is not None)
+        """The memory allocated so far (flat ``uint8``): the ring, once reserved."""
+        return () if self._arena is None else (self._arena,)
 
     @property
     def nbytes(self) -> int:
-        """Bytes the buffers hold now."""
+        """Bytes the ring holds now."""
         return sum(b.numel() for b in self.buffers)
 
 
@@ -364,9 +431,12 @@ class CopyEngine:
         #: Where a CUDA load gathers scattered host rows (`load_layer`'s index
         #: path); ``None`` on a CPU device pool, which gathers straight into a
         #: temporary it scatters from at once.
-        self.staging: PinnedStaging | None = (
-            PinnedStaging(pin=True) if self.device.type == "cuda" else None
-        )
+        self.staging: PinnedStaging | None = None
+        if self.device.type == "cuda":
+            row = self.layout.page_size * self.layout.token_layer_bytes
+            self.staging = PinnedStaging(pin=True, slot_bytes=max(STAGING_SLOT_BYTES, row))
+            # Now, before any copy: cudaHostAlloc never waits for a busy GPU.
+            self.staging.reserve()
         self._helper: concurrent.futures.ThreadPoolExecutor | None = None
         self._helper_lock = threading.Lock()
         self._rows_cache: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
@@ -488,6 +558,23 @@ class CopyEngine:
             chunks = _chunk_runs(runs, self._chunk_tokens())
         return TransferPlan(host, dev_on_device, runs, n, device_runs, host_pages, chunks)
 
+    def _host_runs(self, host: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+        """The contiguous runs of ``host``, as ``(first slot of the plan, host start, tokens)``.
+
+        A ``page_first`` host page is contiguous across layers: each run is
+        one copy of every layer between the pool and a device tensor.
+        """
+        ps = self.layout.page_size
+        hp = host[::ps]
+        if hp.numel() == 1:
+            breaks: list[int] = []
+        else:
+            breaks = (torch.nonzero((hp[1:] - hp[:-1]) != ps).flatten() + 1).tolist()
+        starts = [0, *breaks]
+        ends = [*breaks, hp.numel()]
+        first = hp[starts].tolist()
+        return tuple((a * ps, f, (e - a) * ps) for a, e, f in zip(starts, ends, first, strict=True))
+
     def _chunk_tokens(self) -> int:
         """Tokens one copy of a scattered CPU load moves (a chunk of `TransferPlan.chunks`).
 
@@ -538,9 +625,20 @@ class CopyEngine:
     # -- device -> host -------------------------------------------------------
 
     def backup_all_layers(self, plan: TransferPlan) -> None:
-        """Copy every layer of ``plan``'s device slots into its host slots."""
+        """Copy every layer of ``plan``'s device slots into its host slots.
+
+        On CUDA every device->host copy lands straight in the (page-locked)
+        host pool, from a contiguous source: it is queued, never waited for.
+        Contiguous runs of a ``layer_first`` pool copy layer by layer; anything
+        else is gathered on the device (in chunks of at most `MAX_TEMP_BYTES`)
+        into the host pool's own order, then copied one host run at a time.
+        """
         if plan.empty:
             return
+        if self.device.type != "cpu":
+            if self.host_pool.host_layout == "page_first" or plan.runs is None:
+                self._backup_staged(plan)
+                return
         joint = self.device_pool.joint
         if joint is not None and self.device.type == "cpu" and plan.runs is not None:
             self._backup_runs_joint(joint, plan.runs)
@@ -558,26 +656,56 @@ class CopyEngine:
     def _backup_runs(
         self, b: int, src_all: torch.Tensor, runs: tuple[tuple[int, int, int], ...]
     ) -> None:
-        """Runs of every layer at once from a stacked ``(L, S, H, D)`` device buffer."""
+        """CUDA, ``layer_first`` host: runs of a stacked ``(L, S, H, D)`` device buffer.
+
+        Layer by layer, where both sides are contiguous: each copy is queued
+        straight into the page-locked pool, no temporary on either side.
+        """
         host = self.host_pool
         nb = self.non_blocking
-        token_bytes = self.layout.num_layers * self.layout.token_layer_bytes
-        if host.host_layout == "layer_first" and self.device.type != "cpu":
-            # Strided on both sides across layers: torch would stage a contiguous copy of
-            # the whole run on the device. Layer by layer both sides are contiguous.
-            for layer in range(self.layout.num_layers):
-                src, dst = src_all[layer], host.buffer[b, layer]
-                for h0, d0, n in runs:
-                    dst[h0 : h0 + n].copy_(src[d0 : d0 + n], non_blocking=nb)
-            return
-        for h0, d0, n in runs:
-            # page_first: the transposed device source is staged contiguously per chunk.
-            for lo, hi in _spans(n, 1, token_bytes):
-                src = src_all[:, d0 + lo : d0 + hi]
-                dst = host.tokens(b, h0 + lo, h0 + hi)
-                if host.host_layout == "page_first":
-                    src = src.transpose(0, 1)
-                dst.copy_(src, non_blocking=nb)
+        for layer in range(self.layout.num_layers):
+            src, dst = src_all[layer], host.buffer[b, layer]
+            for h0, d0, n in runs:
+                dst[h0 : h0 + n].copy_(src[d0 : d0 + n], non_blocking=nb)
+
+    def _backup_staged(self, plan: TransferPlan) -> None:
+        """CUDA: gather the device slots on the device, then one DMA per host run (and layer).
+
+        ``page_first``: the gather is laid out ``(tokens, L, row)``, as a host
+        page is, so a host run of every layer is one copy. ``layer_first``:
+        ``(L, tokens, row)``, one copy per layer and host run.
+        """
+        host = self.host_pool
+        L = self.layout.num_layers
+        nb = self.non_blocking
+        token_bytes = L * self.layout.token_layer_bytes
+        page_first = host.host_layout == "page_first"
+        host_runs = self._host_runs(plan.host_indices)
+        for b in range(self.layout.num_buffers):
+            dst = _token_rows(host.buffer[b])  # (S, L, row) or (L, S, row)
+            stacked = self.device_pool.stacked
+            for lo, hi in _spans(plan.num_tokens, self.layout.page_size, token_bytes):
+                idx = plan.device_indices[lo:hi]
+                if stacked is not None:
+                    gathered = _token_rows(stacked[b]).index_select(1, idx)  # (L, n, row)
+                else:
+                    gathered = torch.stack(
+                        [_token_rows(t).index_select(0, idx) for t in self.device_pool.buffers[b]]
+                    )
+                if page_first:
+                    staged = gathered.transpose(0, 1).contiguous()  # (n, L, row)
+                for off, h0, m in host_runs:
+                    a, z = max(off, lo), min(off + m, hi)
+                    if a >= z:
+                        continue
+                    h = h0 + (a - off)
+                    if page_first:
+                        dst[h : h + z - a].copy_(staged[a - lo : z - lo], non_blocking=nb)
+                    else:
+                        for x in range(L):
+                            dst[x, h : h + z - a].copy_(
+                                gathered[x, a - lo : z - lo], non_blocking=nb
+                            )
 
     def _backup_runs_joint(
         self, joint: torch.Tensor, runs: tuple[tuple[int, int, int], ...]
@@ -604,12 +732,13 @@ class CopyEngine:
         host = self.host_pool
         token_bytes = self.layout.num_layers * self.layout.token_layer_bytes
         for lo, hi in _spans(plan.num_tokens, self.layout.page_size, token_bytes):
-            gathered = src_all.index_select(1, plan.device_indices[lo:hi])
+            gathered = _token_rows(src_all).index_select(1, plan.device_indices[lo:hi])
             idx = plan.host_indices[lo:hi]
+            dst = _token_rows(host.buffer[b])
             if host.host_layout == "layer_first":
-                host.buffer[b].index_copy_(1, idx, gathered.to("cpu"))
+                dst.index_copy_(1, idx, gathered.to("cpu"))
             else:
-                host.buffer[b].index_copy_(0, idx, gathered.transpose(0, 1).to("cpu"))
+                dst.index_copy_(0, idx, gathered.transpose(0, 1).to("cpu"))
 
     def _backup_layer(self, b: int, layer: int, plan: TransferPlan) -> None:
         src = self.device_pool.buffers[b][layer]
@@ -618,8 +747,8 @@ class CopyEngine:
             self._copy_runs(dst, src, [(d0, h0, n) for h0, d0, n in plan.runs])
             return
         for lo, hi in _spans(plan.num_tokens, self.layout.page_size, self.layout.token_layer_bytes):
-            gathered = src.index_select(0, plan.device_indices[lo:hi])
-            dst.index_copy_(0, plan.host_indices[lo:hi], gathered.to("cpu"))
+            gathered = _token_rows(src).index_select(0, plan.device_indices[lo:hi])
+            _token_rows(dst).index_copy_(0, plan.host_indices[lo:hi], gathered.to("cpu"))
 
     # -- host -> device -------------------------------------------------------
 
@@ -637,6 +766,10 @@ class CopyEngine:
         across all layers, instead of handing it each layer's in turn.
         """
         num_layers = self.layout.num_layers
+        if self.device.type != "cpu" and self.host_pool.host_layout == "page_first":
+            if not plan.empty:
+                self._load_staged(plan, range(num_layers), on_layer)
+            return
         if plan.chunks is not None and self.device.type == "cpu" and plan.device_runs is None:
             pool = self._helper_pool(self.plan_bytes(plan))
             if pool is not None:
@@ -650,6 +783,9 @@ class CopyEngine:
     def load_layer(self, layer: int, plan: TransferPlan) -> None:
         """Copy layer ``layer`` of ``plan``'s host slots into its device slots."""
         if plan.empty:
+            return
+        if self.device.type != "cpu" and self.host_pool.host_layout == "page_first":
+            self._load_staged(plan, (layer,), None)
             return
         if self.device.type == "cpu" and plan.device_runs is None and plan.runs is not None:
             if plan.chunks is not None:
@@ -673,6 +809,47 @@ class CopyEngine:
             else:
                 self._load_gathered(src, dst, plan)
 
+    def _load_staged(
+        self,
+        plan: TransferPlan,
+        layers: range | tuple[int, ...],
+        on_layer: Callable[[int], None] | None,
+    ) -> None:
+        """CUDA, ``page_first`` host: one DMA per host run of every layer, then device copies.
+
+        A ``page_first`` host layer is strided: torch would stage it through a
+        pageable temporary and wait for the stream. A host run of whole pages
+        is contiguous across layers instead: it goes up in one asynchronous
+        copy into a device tensor (chunks of at most `MAX_TEMP_BYTES` a
+        buffer), from which each layer is scattered on the device.
+        ``on_layer(i)`` is called once layer ``i`` is queued in every chunk.
+        """
+        host = self.host_pool
+        L = self.layout.num_layers
+        nb = self.non_blocking
+        token_bytes = L * self.layout.token_layer_bytes
+        spans = _spans(plan.num_tokens, self.layout.page_size, token_bytes)
+        where = self.device_pool.buffers[0][0].device
+        host_runs = self._host_runs(plan.host_indices)
+        for si, (lo, hi) in enumerate(spans):
+            staged: list[torch.Tensor] = []
+            for b in range(self.layout.num_buffers):
+                src = _token_rows(host.buffer[b])  # (S, L, row)
+                up = torch.empty((hi - lo, *src.shape[1:]), dtype=src.dtype, device=where)
+                for off, h0, m in host_runs:
+                    a, z = max(off, lo), min(off + m, hi)
+                    if a < z:
+                        h = h0 + (a - off)
+                        up[a - lo : z - lo].copy_(src[h : h + z - a], non_blocking=nb)
+                staged.append(up)
+            idx = plan.device_indices[lo:hi]
+            for layer in layers:
+                for b, up in enumerate(staged):
+                    dst = _token_rows(self.device_pool.buffers[b][layer])
+                    dst.index_copy_(0, idx, up[:, layer])
+                if on_layer is not None and si == len(spans) - 1:
+                    on_layer(layer)
+
     def _load_gathered(self, src: torch.Tensor, dst: torch.Tensor, plan: TransferPlan) -> None:
         """Scattered host rows into scattered device rows of one layer, span by span.
 
@@ -683,15 +860,21 @@ class CopyEngine:
         """
         staging = self.staging
         per_token = self.layout.token_layer_bytes
-        for lo, hi in _spans(plan.num_tokens, self.layout.page_size, per_token):
-            host_idx, dev_idx = plan.host_indices[lo:hi], plan.device_indices[lo:hi]
-            if staging is None:
+        src, dst = _token_rows(src), _token_rows(dst)
+        if staging is None:
+            for lo, hi in _spans(plan.num_tokens, self.layout.page_size, per_token):
+                host_idx, dev_idx = plan.host_indices[lo:hi], plan.device_indices[lo:hi]
                 dst.index_copy_(0, dev_idx, src.index_select(0, host_idx))
-                continue
+            return
+        step = staging.rows(per_token, self.layout.page_size)
+        stream = torch.cuda.current_stream(self.device) if staging.pin else None
+        for lo in range(0, plan.num_tokens, step):
+            hi = min(lo + step, plan.num_tokens)
+            host_idx, dev_idx = plan.host_indices[lo:hi], plan.device_indices[lo:hi]
             i, buf = staging.take(src, hi - lo)
             torch.index_select(src, 0, host_idx, out=buf)
-            gathered = buf.to(self.device, non_blocking=staging.pin)
-            staging.release(i)
+            gathered = buf.to(dst.device, non_blocking=staging.pin)
+            staging.release(i, stream)  # on the copy stream that queued the upload
             dst.index_copy_(0, dev_idx, gathered)
 
     def _copy_runs(

@@ -131,8 +131,19 @@ class LayerDoneSet:
         if self._futures is not None:
             self._call(self._resolve, layer)
 
-    def mark_failed(self, error: BaseException) -> None:
-        """The load failed: every layer not yet done fails with ``error``."""
+    def mark_failed(self, error: BaseException, *, settled: bool = False) -> None:
+        """The load failed: every layer that has not landed fails with ``error``.
+
+        ``settled``: the copy stream was settled after the failure (the load
+        failed while queuing its copies, and everything it queued has run):
+        every layer whose copy was queued (`mark_recorded`) has landed too.
+        Without it (waiting for a layer's event failed), only the layers
+        already marked done landed.
+        """
+        if settled and self._recorded is not None:
+            for layer in range(self.num_layers):
+                if self._recorded.is_set(layer) and not self._landed[layer]:
+                    self.mark_done(layer)
         self.error = error
         if self._recorded is not None:
             self._recorded.set_all()
@@ -266,14 +277,16 @@ class LayerDoneSet:
         on the GPU. On a CPU device it is `wait_sync`.
 
         Raises:
-            Exception: the load's error, once the failed load has settled.
+            Exception: the load's error, once the failed load has settled, if
+                this layer did not land (a layer that landed before a later
+                one failed is waited for as usual).
         """
         layer = self._check(layer)
         if self._recorded is None:
             self.wait_sync(layer)
             return
         self._recorded.wait(layer)
-        if self.error is not None:
+        if self.error is not None and not self._landed[layer]:
             raise self.error
         ev = self.cuda_events[layer]
         if ev is not None:

@@ -46,6 +46,11 @@ def copy_helper() -> concurrent.futures.ThreadPoolExecutor | None:
     return helper
 
 
+def _bind_device(device: torch.device) -> None:
+    """A CUDA stream's thread: make ``device`` the thread's current device (thread start)."""
+    torch.cuda.set_device(device)
+
+
 def new_event() -> torch.cuda.Event:
     """A CUDA event that the host waits on by sleeping, not spinning.
 
@@ -110,12 +115,18 @@ class CopyStream:
         self.cuda_stream: torch.cuda.Stream | None = (
             torch.cuda.Stream(device) if self.is_cuda else None  # type: ignore[no-untyped-call]
         )
+        # On CUDA both threads make the stream's device their current device
+        # before anything else: a CUDA call (an event's synchronize) on a
+        # thread that never chose one runs in device 0's context, creating it.
+        bind: dict[str, Any] = (
+            {"initializer": _bind_device, "initargs": (device,)} if self.is_cuda else {}
+        )
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"tiercache-{name}"
+            max_workers=1, thread_name_prefix=f"tiercache-{name}", **bind
         )
         self._completer = (
             concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"tiercache-{name}-settle"
+                max_workers=1, thread_name_prefix=f"tiercache-{name}-settle", **bind
             )
             if self.is_cuda
             else None
