@@ -1,0 +1,111 @@
+"""The ``tiercache serve`` / ``tiercache status`` command-line contract."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+from tests.serve.helpers import ServerProcess, short_dir
+
+from tiercache.cli import parse_size
+
+
+def _status(sock: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tiercache", "status", "--socket", sock, "--timeout", "2"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_serve_prints_ready_answers_status_and_stops_on_sigterm() -> None:
+    d = short_dir()
+    sock = os.path.join(d, "node.sock")
+    try:
+        srv = ServerProcess(sock, "1MiB").start()
+        assert "arena_bytes=1048576" in srv.ready_line
+        st = os.stat(sock)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        arena = os.path.join(d, "node.arena")
+        assert stat.S_IMODE(os.stat(arena).st_mode) == 0o600
+        out = _status(sock)
+        assert out.returncode == 0, out.stderr
+        assert "status: up" in out.stdout and "arena_free_bytes: 1048576" in out.stdout
+        rc, log = srv.terminate()
+        assert rc == 0, log
+        assert "stopped" in log
+        assert not os.path.exists(sock) and not os.path.exists(arena)
+        down = _status(sock)
+        assert down.returncode == 1 and "down" in down.stderr
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_second_server_on_a_live_socket_is_refused() -> None:
+    d = short_dir()
+    sock = os.path.join(d, "node.sock")
+    try:
+        with ServerProcess(sock, "1MiB"):
+            second = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "tiercache",
+                    "serve",
+                    "--socket",
+                    sock,
+                    "--arena-bytes",
+                    "1MiB",
+                    "--arena-path",
+                    os.path.join(d, "other.arena"),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert second.returncode == 2
+            assert "already listening" in second.stderr
+            assert _status(sock).returncode == 0
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_stale_socket_left_by_a_killed_server_is_replaced() -> None:
+    d = short_dir()
+    sock = os.path.join(d, "node.sock")
+    try:
+        first = ServerProcess(sock, "1MiB").start()
+        first.kill()
+        assert os.path.exists(sock)
+        with ServerProcess(sock, "1MiB"):
+            assert _status(sock).returncode == 0
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("4096", 4096),
+        ("1GiB", 1 << 30),
+        ("512MiB", 512 << 20),
+        ("64KiB", 65536),
+        ("2G", 2 * 10**9),
+        ("1_000", 1000),
+        ("1.5KiB", 1536),
+    ],
+)
+def test_sizes_parse(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "0", "-1", "1XB", "GiB", "0.3"])
+def test_bad_sizes_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size(text)
