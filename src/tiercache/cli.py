@@ -17,6 +17,7 @@ import stat
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -396,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_serve_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_serve_parsers(sub: Any) -> None:
     serve = sub.add_parser(
         "serve",
         help="run one KV page cache per node, shared by its engine processes",

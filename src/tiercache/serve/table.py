@@ -137,6 +137,7 @@ class PageTable:
         if h is None:
             return 0, 0
         for page in h.reservations.values():
+            del self._index[page.key]
             self._free_page(page)
             self._writing -= 1
         for page in h.leases.values():
