@@ -374,7 +374,7 @@ class NodeServer(AsyncResource):
         holder = self._table.add_holder()
         self._conns[holder] = task
         try:
-            if await self._check_peer(writer):
+            if await self._check_peer(reader, writer):
                 await self._serve_connection(holder, reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
@@ -392,7 +392,7 @@ class NodeServer(AsyncResource):
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _check_peer(self, writer: asyncio.StreamWriter) -> bool:
+    async def _check_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         sock: socket.socket = writer.get_extra_info("socket")
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         pid, uid, gid = _PEERCRED.unpack(raw)
@@ -405,19 +405,27 @@ class NodeServer(AsyncResource):
         self._counts["refused_peers"] += 1
         logger.warning("refused a client: pid %d uid %d gid %d is not allowed", pid, uid, gid)
         writer.write(proto.error_reply(None, "refused", f"uid {uid} / gid {gid} is not allowed"))
-        with contextlib.suppress(ConnectionError):
+        with contextlib.suppress(ConnectionError, TimeoutError):
             await writer.drain()
+            writer.write_eof()
+            # Read what the peer sent until it closes (briefly): closing a Unix
+            # socket with unread input resets it, and the peer would never
+            # read why it was refused. Nothing it sends is looked at.
+            async with asyncio.timeout(1.0):
+                while await reader.read(_READ_CHUNK):
+                    pass
         return False
 
     async def _serve_connection(
         self, holder: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         unpacker = proto.make_unpacker()
-        fed = 0
+        fed = 0  # bytes received
+        whole = 0  # bytes of the frames decoded whole (``tell`` also counts a partial one)
         while True:
             data = await reader.read(_READ_CHUNK)
             if not data:
-                if fed > unpacker.tell():
+                if fed > whole:
                     self._bad_frame("truncated", "the connection closed inside a frame")
                 return
             try:
@@ -432,8 +440,9 @@ class NodeServer(AsyncResource):
                 except msgpack.OutOfData:
                     break
                 except (ValueError, msgpack.StackError, msgpack.ExtraData) as e:
-                    await self._refuse(writer, None, "malformed", f"not a msgpack frame: {e}")
+                    await self._refuse(writer, None, "malformed", f"not a msgpack frame: {e!r}")
                     return
+                whole = unpacker.tell()
                 if not await self._handle(holder, frame, writer):
                     return
 
