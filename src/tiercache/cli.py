@@ -17,8 +17,8 @@ import stat
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import tiercache
