@@ -109,3 +109,87 @@ def test_sizes_parse(text: str, value: int) -> None:
 def test_bad_sizes_are_refused(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         parse_size(text)
+
+
+def test_sigterm_flushes_write_behind_to_storage_and_serves_metrics() -> None:
+    import asyncio
+    import re
+    import urllib.request
+
+    from tests.serve.helpers import page_of
+
+    from tiercache.serve import ServeBackend
+    from tiercache.storage import PageKey, open_backend
+
+    d = short_dir()
+    sock = os.path.join(d, "node.sock")
+    store = os.path.join(d, "store")
+    keys = [PageKey(f"p{i}") for i in range(50)]
+    try:
+        srv = ServerProcess(
+            sock,
+            "4MiB",
+            "--storage-url",  # a slow store: SIGTERM comes while the write-behind is busy
+            f"faulty+file://{store}?fault=latency&fault_delay=0.5&fault_ops=set",
+            "--metrics-port",
+            "0",
+        ).start()
+        m = re.search(r"metrics=([\d.]+):(\d+)", srv.ready_line)
+        assert m, srv.ready_line
+
+        async def write() -> None:
+            async with ServeBackend(sock) as b:
+                assert await b.batch_set(keys, [page_of(k, 20_000) for k in keys]) == [True] * 50
+
+        asyncio.run(write())
+        url = f"http://{m.group(1)}:{m.group(2)}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert "tiercache_serve_arena_bytes{state=" in text
+        assert "tiercache_serve_write_behind_backlog" in text
+        rc, log = srv.terminate()  # while the write-behind is still writing
+        assert rc == 0, log
+        assert "draining" in log and "not written" not in log
+
+        async def check() -> int:
+            async with await open_backend(f"file://{store}") as fb:
+                return await fb.batch_exists(keys)
+
+        assert asyncio.run(check()) == 50
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_sigterm_gives_up_on_write_behind_at_the_drain_deadline() -> None:
+    import asyncio
+    import time
+
+    from tests.serve.helpers import page_of
+
+    from tiercache.serve import ServeBackend
+    from tiercache.storage import PageKey
+
+    d = short_dir()
+    sock = os.path.join(d, "node.sock")
+    keys = [PageKey(f"p{i}") for i in range(8)]
+    try:
+        srv = ServerProcess(
+            sock,
+            "1MiB",
+            "--storage-url",
+            f"faulty+file://{d}/store?fault=latency&fault_delay=60&fault_ops=set",
+            "--drain-seconds",
+            "0.5",
+        ).start()
+
+        async def write() -> None:
+            async with ServeBackend(sock) as b:
+                assert await b.batch_set(keys, [page_of(k, 1000) for k in keys]) == [True] * 8
+
+        asyncio.run(write())
+        t0 = time.monotonic()
+        rc, log = srv.terminate()
+        assert rc == 0, log
+        assert time.monotonic() - t0 < 30  # the deadline, not the 60 s store
+        assert "drain deadline passed" in log
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

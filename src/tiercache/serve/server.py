@@ -311,10 +311,9 @@ class NodeServer(AsyncResource):
             self._progress.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._progress.wait(), min(left, 0.1))
-        if not self._queue.empty():
-            logger.warning(
-                "drain deadline passed: %d write-behind pages not written", self._queue.qsize()
-            )
+        unwritten = self._queue.qsize() + self._wb_inflight
+        if unwritten:
+            logger.warning("drain deadline passed: %d write-behind pages not written", unwritten)
 
     async def _teardown(self) -> None:
         tasks = [t for t in (*self._conns.values(), self._wb_task) if t is not None]
