@@ -332,3 +332,43 @@ async def test_url_options_and_refusals() -> None:
 
 def test_socket_family_is_unix() -> None:
     assert socket.AF_UNIX  # the server only ever listens on a Unix socket
+
+
+async def test_a_server_answering_nonsense_costs_misses_not_exceptions(tmp_path: Path) -> None:
+    from tiercache.serve.arena import Arena
+
+    arena = await asyncio.to_thread(Arena, str(tmp_path / "arena"), 8192, create=True)
+    bad_answers = iter(
+        [
+            [["hit", 1, [[4096, 8192]]]],  # past the end of the arena
+            [["hit", 1, [[0, 10]]]],  # not the page's size
+            [["hit", "x", []]],
+            "nonsense",
+            [["new", 1, [[-5, NBYTES]]]],
+        ]
+    )
+
+    async def fake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        unpacker = msgpack.Unpacker(raw=False)
+        while data := await reader.read(65536):
+            unpacker.feed(data)
+            for _, rid, op, _ in unpacker:
+                if op == "hello":
+                    result: Any = {"arena": arena.path, "arena_bytes": 8192, "arena_id": "x"}
+                else:
+                    result = next(bad_answers, None)
+                writer.write(proto.ok_reply(rid, result))
+        writer.close()
+
+    path = _sock()
+    srv = await asyncio.start_unix_server(fake, path=path)
+    try:
+        async with ServeBackend(path, backoff_min_s=0) as b:
+            for _ in range(4):
+                assert await get(b, "a") == [None]
+            assert await put(b, "a") == [False]
+    finally:
+        srv.close()
+        await srv.wait_closed()
+        arena.close()
+        await asyncio.to_thread(os.unlink, path)

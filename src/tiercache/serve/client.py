@@ -400,7 +400,7 @@ class ServeBackend(StorageBackend):
         server granted is given back (``undo``) once the reply arrives."""
         task = asyncio.ensure_future(self._call(client, op, body))
         try:
-            return await asyncio.shield(task)
+            answer = await asyncio.shield(task)
         except asyncio.CancelledError:
 
             def give_back(t: asyncio.Future[Any]) -> None:
@@ -414,6 +414,13 @@ class ServeBackend(StorageBackend):
 
             task.add_done_callback(give_back)
             raise
+        if not _well_formed(answer, [item[1] for item in body], granted, client.arena.nbytes):
+            # A server that answers nonsense holds who knows what: drop the
+            # connection, and with it everything it granted this client.
+            logger.warning("malformed %s answer from the server; reconnecting", op)
+            await client.aclose()
+            raise _Down(f"malformed {op} answer")
+        return answer
 
     async def _undo(self, client: ServeClient, op: str, ids: list[int]) -> None:
         with contextlib.suppress(_Down, ServerError):
@@ -537,6 +544,35 @@ class ServeBackend(StorageBackend):
 
     def __repr__(self) -> str:
         return f"ServeBackend({self.socket_path!r}, state={self.state.value})"
+
+
+def _well_formed(answer: Any, sizes: list[int], granted: str, arena_bytes: int) -> bool:
+    """Whether a lease / reserve answer has one item per page, granted ones extents of its size."""
+    if not isinstance(answer, list) or len(answer) != len(sizes):
+        return False
+    for a, size in zip(answer, sizes, strict=True):
+        if not (isinstance(a, list) and a and isinstance(a[0], str)):
+            return False
+        if a[0] == granted:
+            if len(a) != 3 or not isinstance(a[1], int) or not isinstance(a[2], list):
+                return False
+            for e in a[2]:
+                if not (
+                    isinstance(e, list)
+                    and len(e) == 2
+                    and all(isinstance(x, int) for x in e)
+                    and e[0] >= 0
+                    and e[1] > 0
+                    and e[0] + e[1] <= arena_bytes
+                ):
+                    return False
+            if sum(e[1] for e in a[2]) != size:
+                return False
+        elif a[0] == "mismatch" and not (
+            len(a) == 3 and isinstance(a[1], str) and isinstance(a[2], int)
+        ):
+            return False
+    return True
 
 
 class _Down(Exception):
