@@ -9,7 +9,6 @@ a test can drive two engine processes against one server.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -21,17 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 #: How long the server may take to show its socket (it imports torch first).
 START_S = 60.0
-
-
-def require_server() -> None:
-    """Skip the caller when this build of tiercache has no ``tiercache.serve``."""
-    if importlib.util.find_spec("tiercache.serve") is None:
-        pytest.skip("this build of tiercache has no tiercache.serve")
 
 
 class NodeServer:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.integrations.node_server import NodeServer, require_server, run_engine_process
+from tests.integrations.node_server import NodeServer, run_engine_process
 
 pytestmark = pytest.mark.sglang
 
@@ -27,7 +27,6 @@ PAGE_SIZE = 4  # sglang_helpers.Geometry's
 
 @pytest.fixture
 def server() -> Iterator[NodeServer]:
-    require_server()
     with NodeServer() as s:
         yield s
 

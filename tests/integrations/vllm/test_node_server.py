@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.integrations.node_server import NodeServer, require_server, run_engine_process
+from tests.integrations.node_server import NodeServer, run_engine_process
 from tests.integrations.vllm.engine import require_vllm
 
 require_vllm()
@@ -31,7 +31,6 @@ BLOCK = 4096
 
 @pytest.fixture
 def server() -> Iterator[NodeServer]:
-    require_server()
     with NodeServer() as s:
         yield s
 
