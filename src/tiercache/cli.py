@@ -300,6 +300,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             block_bytes=args.block_bytes,
             arena_path=args.arena_path,
             drain_timeout_s=args.drain_seconds,
+            keep_arena=args.keep_arena,
         )
         return run_server(server, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr)
     except (TierCacheError, OSError) as e:

@@ -372,3 +372,64 @@ async def test_a_server_answering_nonsense_costs_misses_not_exceptions(tmp_path:
         await srv.wait_closed()
         arena.close()
         await asyncio.to_thread(os.unlink, path)
+
+
+async def test_a_restarted_server_serves_the_intact_pages_of_its_kept_arena(tmp_path: Path) -> None:
+    from tiercache.serve.persist import index_path
+
+    arena_path = str(tmp_path / "kept.arena")
+    names = [f"k{i}" for i in range(10)]
+    async with (
+        served(tmp_path, arena_path=arena_path, keep_arena=True) as first,
+        ServeBackend(first.socket_path) as b,
+    ):
+        assert await put(b, *names) == [True] * 10
+        assert await get(b, "k0") == [page_bytes("k0", NBYTES)]  # k0 is the most recent now
+    assert await asyncio.to_thread(os.path.exists, index_path(arena_path))
+
+    def damage(key: str) -> None:
+        with open(index_path(arena_path), "rb") as f:
+            doc = msgpack.unpackb(f.read(), raw=False)
+        (blocks,) = [b for h, b in doc["pages"] if key.encode() in h]
+        with open(arena_path, "r+b") as f:
+            f.seek(blocks[0] * BLOCK + 7)
+            byte = f.read(1)
+            f.seek(blocks[0] * BLOCK + 7)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    await asyncio.to_thread(damage, "k3")
+    async with (
+        served(tmp_path, blocks=64, arena_path=arena_path, keep_arena=True) as second,
+        ServeBackend(second.socket_path) as b,
+    ):
+        assert not await asyncio.to_thread(os.path.exists, index_path(arena_path))
+        s = second.stats()
+        assert s.restored == 9 and s.pages == 9
+        # the LRU order survived: k1 is the oldest page, k0 (read last) the newest
+        fill = [f"f{i}" for i in range(64 - 9)]
+        assert await put(b, *fill) == [True] * len(fill)  # exactly full
+        assert s.evictions == 0 and second.stats().arena_free_bytes == 0
+        assert await put(b, "extra") == [True]
+        assert await b.batch_exists(keys("k1")) == 0 and await b.batch_exists(keys("k0")) == 1
+        kept = [n for n in names if n not in ("k1", "k3")]
+        assert await get(b, *kept) == [page_bytes(n, NBYTES) for n in kept]
+        assert await get(b, "k3") == [None]  # damaged: dropped, never served
+        assert await put(b, "k3") == [True]  # the key is writable again
+        assert await get(b, "k3") == [page_bytes("k3", NBYTES)]
+
+
+async def test_a_kept_arena_without_an_index_or_of_another_size_starts_empty(
+    tmp_path: Path,
+) -> None:
+    arena_path = str(tmp_path / "kept.arena")
+    async with (
+        served(tmp_path, arena_path=arena_path, keep_arena=True) as first,
+        ServeBackend(first.socket_path) as b,
+    ):
+        assert await put(b, "a") == [True]
+    async with served(tmp_path, blocks=32, arena_path=arena_path, keep_arena=True) as other:
+        assert other.stats().pages == 0 and other.stats().arena_bytes == 32 * BLOCK
+    # the other-size server kept its own (empty) arena; a plain server replaces it all
+    async with served(tmp_path, arena_path=arena_path) as plain:
+        assert plain.stats().pages == 0
+    assert not await asyncio.to_thread(os.path.exists, arena_path)

@@ -117,3 +117,26 @@ def test_delete_and_clear_spare_leased_pages() -> None:
     assert t.delete(["a", "b", "nope"]) == 1
     assert t.clear() == 1
     assert t.exists(["a"]) == 1 and t.stats().pages == 1
+
+
+def test_restore_adopts_pages_in_lru_order_or_nothing() -> None:
+    from tiercache.errors import StateError
+
+    t = PageTable(blocks=4, block_bytes=100)
+    with pytest.raises(InvalidInputError, match="taken"):
+        t.restore([("a", (0,), 100, "f"), ("b", (0,), 100, "f")])
+    with pytest.raises(InvalidInputError, match="block count"):
+        t.restore([("a", (0, 1), 100, "f")])
+    with pytest.raises(InvalidInputError, match="out of range"):
+        t.restore([("a", (4,), 100, "f")])
+    assert t.stats().pages == 0 and t.stats().free_blocks == 4  # nothing adopted
+    t.restore([("old", (2,), 100, "f"), ("new", (0,), 50, "f")])
+    assert t.stats().pages == 2 and t.stats().free_blocks == 2
+    w = t.add_holder()
+    _write(t, w, "c")
+    _write(t, w, "d")
+    _write(t, w, "e")  # evicts the oldest restored page
+    assert t.exists(["old"]) == 0 and t.exists(["new"]) == 1
+    assert [p[0] for p in t.ready_pages()] == ["new", "c", "d", "e"]
+    with pytest.raises(StateError):
+        t.restore([])

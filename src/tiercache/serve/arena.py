@@ -108,6 +108,29 @@ class Arena:
         os.close(fd)
         self._view = memoryview(self._map)
 
+    @classmethod
+    def adopt(cls, path: str, nbytes: int, *, gid: int | None = None) -> Arena:
+        """Map an arena left by an earlier server, if it is exactly ``nbytes``; reset its mode.
+
+        Raises:
+            OSError: no such file, or one of another size.
+        """
+        arena = cls(path, nbytes, create=False)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                if os.fstat(fd).st_size != nbytes:
+                    raise OSError(f"arena {path} is not {nbytes} bytes")
+                os.fchmod(fd, 0o600 if gid is None else 0o660)
+                if gid is not None:
+                    os.fchown(fd, -1, gid)
+            finally:
+                os.close(fd)
+        except BaseException:
+            arena.close()
+            raise
+        return arena
+
     def views(self, extents: Sequence[Extent]) -> list[memoryview]:
         """Writable views of ``extents`` (checked to lie inside the arena).
 

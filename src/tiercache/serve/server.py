@@ -44,6 +44,7 @@ from tiercache.errors import ConfigError, InvalidInputError, StateError, Storage
 from tiercache.memory.pages import PageBuffer
 from tiercache.serve import protocol as proto
 from tiercache.serve.arena import Arena, Extent, extents_of
+from tiercache.serve.persist import KeptPage, index_path, load_index, save_index
 from tiercache.serve.table import Hold, Outcome, PageTable
 from tiercache.storage.base import PageKey, StorageBackend
 from tiercache.storage.keys import validate_key
@@ -82,6 +83,7 @@ class ServerStats:
     clients: int
     hits: int
     misses: int
+    restored: int
     read_through: int
     evictions: int
     refused_writes: int
@@ -128,6 +130,10 @@ class NodeServer(AsyncResource):
             the write-behind queue.
         write_behind_batch: pages per storage write.
         request_timeout_s: the longest a storage call of one request may take.
+        keep_arena: on a clean stop, leave the arena and an index of its pages
+            in place; on start, adopt the pages of a kept arena that pass their
+            checks (`tiercache.serve.persist`). The arena's memory stays taken
+            while no server runs.
 
     Raises:
         ConfigError: bad sizes, an unknown group, a socket path in use.
@@ -149,6 +155,7 @@ class NodeServer(AsyncResource):
         drain_timeout_s: float = 10.0,
         write_behind_batch: int = 64,
         request_timeout_s: float = 10.0,
+        keep_arena: bool = False,
     ) -> None:
         if not isinstance(arena_bytes, int) or arena_bytes < 1:
             raise ConfigError(f"arena_bytes must be a positive int, got {arena_bytes!r}")
@@ -169,6 +176,7 @@ class NodeServer(AsyncResource):
         self.drain_timeout_s = drain_timeout_s
         self.write_behind_batch = write_behind_batch
         self.request_timeout_s = request_timeout_s
+        self.keep_arena = keep_arena
         self._storage_url = storage_url
         self._storage = storage
         self._owns_storage = storage is None
@@ -187,6 +195,7 @@ class NodeServer(AsyncResource):
             (
                 "hits",
                 "misses",
+                "restored",
                 "read_through",
                 "refused_writes",
                 "committed",
@@ -219,10 +228,18 @@ class NodeServer(AsyncResource):
         self._state = _State.OPEN
         try:
             await asyncio.to_thread(self._claim_socket_path)
-            self._arena = await asyncio.to_thread(
-                Arena, self.arena_path, self.arena_bytes, create=True, gid=self.gid
-            )
-            self._arena_id = f"{self._arena.inode}-{os.getpid()}-{time.time_ns()}"
+            arena, kept, dropped = await asyncio.to_thread(self._open_arena)
+            self._arena = arena
+            self._table.restore([(p.key, p.blocks, p.nbytes, p.format) for p in kept])
+            self._counts["restored"] = len(kept)
+            if kept or dropped:
+                logger.info(
+                    "kept arena %s: serving %d pages, dropped %d that failed their checks",
+                    self.arena_path,
+                    len(kept),
+                    dropped,
+                )
+            self._arena_id = f"{arena.inode}-{os.getpid()}-{time.time_ns()}"
             if self._storage_url is not None:
                 from tiercache.storage.registry import open_backend
 
@@ -245,6 +262,20 @@ class NodeServer(AsyncResource):
             self.arena_bytes,
             self.block_bytes,
         )
+
+    def _open_arena(self) -> tuple[Arena, list[KeptPage], int]:
+        """The arena (kept from the last clean stop when asked and possible, else new) and its pages."""
+        if self.keep_arena and os.path.exists(index_path(self.arena_path)):
+            try:
+                arena = Arena.adopt(self.arena_path, self.arena_bytes, gid=self.gid)
+            except OSError as e:
+                logger.warning("cannot keep arena %s (%s): starting empty", self.arena_path, e)
+            else:
+                kept, dropped = load_index(arena, self.block_bytes)
+                return arena, kept, dropped
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(index_path(self.arena_path))
+        return Arena(self.arena_path, self.arena_bytes, create=True, gid=self.gid), [], 0
 
     def _claim_socket_path(self) -> None:
         """Remove a stale socket at our path; refuse a live one or a non-socket."""
@@ -331,7 +362,12 @@ class NodeServer(AsyncResource):
                 await self._storage.aclose()
         if self._arena is not None:
             arena = self._arena
-            await asyncio.to_thread(arena.unlink)
+            if self.keep_arena and self._state == _State.CLOSING:
+                pages = [KeptPage(*p) for p in self._table.ready_pages()]
+                n = await asyncio.to_thread(save_index, arena, self.block_bytes, pages)
+                logger.info("kept arena %s with an index of %d pages", self.arena_path, n)
+            else:
+                await asyncio.to_thread(arena.unlink)
             arena.close()
         if self._server is not None:  # ours: a refused start leaves a live server's socket be
             with contextlib.suppress(OSError):

@@ -11,7 +11,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from tiercache.errors import InvalidInputError
+from tiercache.errors import InvalidInputError, StateError
 
 __all__ = ["Hold", "Outcome", "PageTable", "TableStats"]
 
@@ -299,6 +299,39 @@ class PageTable:
     def clear(self) -> int:
         """Remove every ready, unleased page; returns how many."""
         return self.delete(list(self._lru))
+
+    def ready_pages(self) -> list[tuple[str, tuple[int, ...], int, str]]:
+        """``(key, blocks, nbytes, format)`` of every ready page, least recently used first."""
+        leased = [p for p in self._index.values() if p.state is _State.READY and p.leases]
+        return [
+            (p.key, tuple(p.blocks), p.nbytes, p.format) for p in (*leased, *self._lru.values())
+        ]
+
+    def restore(self, pages: list[tuple[str, tuple[int, ...], int, str]]) -> None:
+        """Adopt ready pages into an empty table (a restarted server's arena), oldest first.
+
+        Raises:
+            StateError: the table already holds pages.
+            InvalidInputError: a key twice, a block twice or out of range, or
+                blocks too few for a page (nothing is adopted).
+        """
+        if self._index:
+            raise StateError("pages can only be restored into an empty table")
+        seen: set[int] = set()
+        keys: set[str] = set()
+        for key, blocks, nbytes, _ in pages:
+            if key in keys or len(blocks) != self.blocks_for(nbytes):
+                raise InvalidInputError(f"page {key}: a key twice or the wrong block count")
+            for b in blocks:
+                if not 0 <= b < self.blocks or b in seen:
+                    raise InvalidInputError(f"page {key}: block {b} is out of range or taken")
+                seen.add(b)
+            keys.add(key)
+        for key, blocks, nbytes, fmt in pages:
+            page = _Page(key, list(blocks), nbytes, fmt, _State.READY)
+            self._index[key] = page
+            self._lru[key] = page
+        self._free = [b for b in range(self.blocks - 1, -1, -1) if b not in seen]
 
     def stats(self) -> TableStats:
         ready = len(self._index) - self._writing
