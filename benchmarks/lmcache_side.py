@@ -153,7 +153,9 @@ def main() -> int:
     import lmcache
 
     answer: dict[str, Any] = {"lmcache_version": getattr(lmcache, "__version__", "?")}
-    l1_gb = max(1.0, 4 * args.pages * page_bytes / (1 << 30))
+    # Room for every round of both modes (and half again): no stored page is evicted.
+    stored = 2 * (args.rounds + 1) * args.pages * page_bytes
+    l1_gb = round(max(1.0, 1.5 * stored / (1 << 30)), 2)
     try:
         with _mp_server(l1_gb, args.log) as (rpc, http):
             answer["server"] = "lmcache server (multiprocess)"
