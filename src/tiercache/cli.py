@@ -448,6 +448,13 @@ def _add_serve_parsers(sub: Any) -> None:
         default=10.0,
         help="on SIGTERM, the longest to wait for in-flight work and write-behind (default: 10)",
     )
+    serve.add_argument(
+        "--keep-arena",
+        action="store_true",
+        help="on SIGTERM keep the arena and an index of its pages in shared memory; a server "
+        "started with --keep-arena on the same arena checks each page's checksum and serves "
+        "the intact ones (a restart or an upgrade keeps the warm cache)",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_cmd_serve)
 

@@ -193,3 +193,36 @@ def test_sigterm_gives_up_on_write_behind_at_the_drain_deadline() -> None:
         assert "drain deadline passed" in log
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_keep_arena_survives_a_restart_of_the_command() -> None:
+    import asyncio
+
+    from tests.serve.helpers import page_bytes, page_of
+
+    from tiercache.memory.pages import PageBuffer
+    from tiercache.serve import ServeBackend
+    from tiercache.storage import PageKey
+
+    d = short_dir()
+    sock = os.path.join(d, "node.sock")
+    keys = [PageKey(f"p{i}") for i in range(6)]
+
+    async def write() -> None:
+        async with ServeBackend(sock) as b:
+            assert await b.batch_set(keys, [page_of(k, 3000) for k in keys]) == [True] * 6
+
+    async def read() -> list[bytes | None]:
+        async with ServeBackend(sock) as b:
+            outs = [PageBuffer.allocate(3000, "test-format") for _ in keys]
+            got = await b.batch_get(keys, outs)
+            return [o.tobytes() if g else None for o, g in zip(outs, got, strict=True)]
+
+    try:
+        with ServerProcess(sock, "1MiB", "--keep-arena"):
+            asyncio.run(write())
+        with ServerProcess(sock, "1MiB", "--keep-arena"):
+            assert asyncio.run(read()) == [page_bytes(k, 3000) for k in keys]
+            assert "restored: 6" in _status(sock).stdout
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
