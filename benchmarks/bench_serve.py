@@ -392,8 +392,12 @@ async def _tiercache_put_get(url: str, pages: int, rounds: int) -> dict[str, lis
 
 def _measure(quick: bool) -> dict[str, Any]:
     from tests.integrations.node_server import NodeServer
+    from tests.integrations.sglang import sglang_helpers as h
     from tests.redis_server import RedisServer, redis_server_binary
 
+    mods, why = h.load()  # before anything starts
+    if mods is None:
+        raise BenchmarkSkipped(why or "SGLang is not importable")
     binary = redis_server_binary()
     if binary is None:
         raise BenchmarkSkipped("redis-server is not installed (apt-get install redis-server)")
