@@ -43,7 +43,7 @@ from tiercache._resource import AsyncResource
 from tiercache.errors import ConfigError, InvalidInputError, StateError, StorageError
 from tiercache.memory.pages import PageBuffer
 from tiercache.serve import protocol as proto
-from tiercache.serve.arena import Arena, Extent, extents_of
+from tiercache.serve.arena import Arena, Extent
 from tiercache.serve.persist import KeptPage, index_path, load_index, save_index
 from tiercache.serve.table import Hold, Outcome, PageTable
 from tiercache.storage.base import PageKey, StorageBackend
@@ -624,8 +624,9 @@ class NodeServer(AsyncResource):
     async def _op_clear(self, holder: int, body: Any) -> Any:
         return self._table.clear()
 
-    def _extents(self, h: Hold, nbytes: int) -> list[list[int]]:
-        return [[o, n] for o, n in extents_of(h.blocks, self.block_bytes, nbytes)]
+    @staticmethod
+    def _extents(h: Hold, nbytes: int) -> tuple[tuple[int, int], ...]:
+        return h.extents  # msgpack sends tuples as arrays
 
     # -- storage behind the arena -----------------------------------------------
 
@@ -634,8 +635,7 @@ class NodeServer(AsyncResource):
         nbytes, fmt = self._table.shape(key)
         h = self._table.lease(self._wb_holder, key, nbytes, fmt)
         assert h.outcome is Outcome.HIT, "a page just committed is ready"
-        ext = extents_of(h.blocks, self.block_bytes, nbytes)
-        self._queue.put_nowait((key, h.ident, fmt, ext))
+        self._queue.put_nowait((key, h.ident, fmt, list(h.extents)))
 
     async def _write_behind(self) -> None:
         """Write committed pages to storage in batches; release them whatever the outcome."""
@@ -679,7 +679,7 @@ class NodeServer(AsyncResource):
             h = self._table.reserve(self._rt_holder, key, nbytes, fmt)
             if h.outcome is Outcome.NEW:
                 reserved.append((i, h.ident))
-                pages.append(self._arena.page(extents_of(h.blocks, self.block_bytes, nbytes), fmt))
+                pages.append(self._arena.page(h.extents, fmt))
         if not reserved:
             return
         keys = [PageKey(items[i][0]) for i, _ in reserved]

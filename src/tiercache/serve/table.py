@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tiercache.errors import InvalidInputError, StateError
@@ -29,6 +30,8 @@ class _Page:
     format: str
     state: _State
     leases: int = 0
+    #: ``(offset, length)`` runs of the page in the arena, computed once.
+    extents: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -54,13 +57,15 @@ class Hold:
     """The answer of `PageTable.reserve` / `PageTable.lease` for one page.
 
     ``ident`` is the reservation or lease id (``NEW`` / ``HIT``), ``blocks``
-    the page's blocks in order; for ``MISMATCH``, ``format`` and ``nbytes``
-    are the held page's.
+    the page's blocks in order and ``extents`` the byte runs they make
+    (adjacent blocks merged); for ``MISMATCH``, ``format`` and ``nbytes`` are
+    the held page's.
     """
 
     outcome: Outcome
     ident: int = 0
     blocks: tuple[int, ...] = ()
+    extents: tuple[tuple[int, int], ...] = ()
     format: str = ""
     nbytes: int = 0
 
@@ -208,11 +213,12 @@ class PageTable:
             return Hold(Outcome.FULL)
         blocks = [self._free.pop() for _ in range(need)]
         page = _Page(key, blocks, nbytes, format, _State.WRITING)
+        page.extents = self._extents(blocks, nbytes)
         rid = next(self._ids)
         h.reservations[rid] = page
         self._index[key] = page
         self._writing += 1
-        return Hold(Outcome.NEW, rid, tuple(blocks))
+        return Hold(Outcome.NEW, rid, tuple(blocks), page.extents)
 
     def commit(self, holder: int, rids: list[int]) -> list[str]:
         """Make reserved pages visible; returns their keys.
@@ -270,7 +276,7 @@ class PageTable:
         self._leases += 1
         lid = next(self._ids)
         h.leases[lid] = p
-        return Hold(Outcome.HIT, lid, tuple(p.blocks))
+        return Hold(Outcome.HIT, lid, tuple(p.blocks), p.extents)
 
     def release(self, holder: int, lids: list[int]) -> None:
         """End read leases; a page no one leases becomes the most recently used.
@@ -329,6 +335,7 @@ class PageTable:
             keys.add(key)
         for key, blocks, nbytes, fmt in pages:
             page = _Page(key, list(blocks), nbytes, fmt, _State.READY)
+            page.extents = self._extents(blocks, nbytes)
             self._index[key] = page
             self._lru[key] = page
         self._free = [b for b in range(self.blocks - 1, -1, -1) if b not in seen]
@@ -347,6 +354,22 @@ class PageTable:
         )
 
     # -- internals -----------------------------------------------------------
+
+    def _extents(self, blocks: Sequence[int], nbytes: int) -> tuple[tuple[int, int], ...]:
+        """The byte runs of a page of ``nbytes`` in ``blocks``, adjacent blocks merged."""
+        bb = self.block_bytes
+        runs: list[tuple[int, int]] = []
+        start = prev = blocks[0]
+        for b in blocks[1:]:
+            if b != prev + 1:
+                runs.append((start * bb, (prev - start + 1) * bb))
+                start = b
+            prev = b
+        runs.append((start * bb, (prev - start + 1) * bb))
+        cut = len(blocks) * bb - nbytes  # the last block is partly used
+        off, n = runs[-1]
+        runs[-1] = (off, n - cut)
+        return tuple(runs)
 
     @staticmethod
     def _check_held(held: dict[int, _Page], ids: list[int], what: str) -> None:
