@@ -433,3 +433,20 @@ async def test_a_kept_arena_without_an_index_or_of_another_size_starts_empty(
     async with served(tmp_path, arena_path=arena_path) as plain:
         assert plain.stats().pages == 0
     assert not await asyncio.to_thread(os.path.exists, arena_path)
+
+
+async def test_a_page_larger_than_the_arena_fails_alone(tmp_path: Path, redis_url: str) -> None:
+    async with served(tmp_path, blocks=4, storage_url=redis_url) as server:
+        async with await ServeClient.connect(server.socket_path) as c:
+            answer = await c.call(
+                "reserve",
+                [["a", NBYTES, FORMAT], ["huge", 5 * BLOCK, FORMAT], ["b", NBYTES, FORMAT]],
+            )
+            assert [a[0] for a in answer] == ["new", "full", "new"]
+            await c.call("commit", [answer[0][1], answer[2][1]])
+            leased = await c.call(
+                "lease", [["a", NBYTES, FORMAT], ["huge", 5 * BLOCK, FORMAT], ["b", NBYTES, FORMAT]]
+            )
+            assert [a[0] for a in leased] == ["hit", "miss", "hit"]
+            await c.call("release", [leased[0][1], leased[2][1]])
+            await settled(server, leases=0, writing=0, write_behind_backlog=0)

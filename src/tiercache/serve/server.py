@@ -574,6 +574,10 @@ class NodeServer(AsyncResource):
         items = _page_items(body)
         out: list[Any] = []
         for key, nbytes, fmt in items:
+            if not self._fits(nbytes):  # answered per page: the others of the batch go on
+                self._counts["refused_writes"] += 1
+                out.append([Outcome.FULL.value])
+                continue
             h = self._table.reserve(holder, key, nbytes, fmt)
             if h.outcome is Outcome.NEW:
                 out.append(["new", h.ident, self._extents(h, nbytes)])
@@ -623,6 +627,10 @@ class NodeServer(AsyncResource):
 
     async def _op_clear(self, holder: int, body: Any) -> Any:
         return self._table.clear()
+
+    def _fits(self, nbytes: int) -> bool:
+        """Whether a page of ``nbytes`` can ever fit the arena."""
+        return self._table.blocks_for(nbytes) <= self._table.blocks
 
     @staticmethod
     def _extents(h: Hold, nbytes: int) -> tuple[tuple[int, int], ...]:
@@ -676,6 +684,8 @@ class NodeServer(AsyncResource):
         pages: list[PageBuffer] = []
         for i in missing:
             key, nbytes, fmt = items[i]
+            if not self._fits(nbytes):
+                continue
             h = self._table.reserve(self._rt_holder, key, nbytes, fmt)
             if h.outcome is Outcome.NEW:
                 reserved.append((i, h.ident))
