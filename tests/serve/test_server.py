@@ -450,3 +450,27 @@ async def test_a_page_larger_than_the_arena_fails_alone(tmp_path: Path, redis_ur
             assert [a[0] for a in leased] == ["hit", "miss", "hit"]
             await c.call("release", [leased[0][1], leased[2][1]])
             await settled(server, leases=0, writing=0, write_behind_backlog=0)
+
+
+async def test_a_failing_storage_read_through_is_a_miss_and_a_bug_cuts_off_one_client(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    storage = await open_backend("faulty+memory://?fault=error&fault_ops=get,exists")
+    async with served(tmp_path, storage=storage) as server, ServeBackend(server.socket_path) as b:
+        assert await get(b, "a") == [None]  # the store fails: a miss
+        assert await b.batch_exists(keys("a")) == 0
+        assert await put(b, "a") == [True]
+
+        def broken(*args: Any) -> Any:
+            raise KeyError("a bug")
+
+        monkeypatch.setattr(server._table, "exists", broken)
+        with caplog.at_level(logging.ERROR, "tiercache.serve.server"):
+            async with await ServeClient.connect(server.socket_path) as c:
+                with pytest.raises(ServerError) as e:
+                    await c.call("exists", ["a"])
+                assert e.value.code == "internal"
+        assert "internal error answering exists" in caplog.text
+        monkeypatch.undo()
+        assert await get(b, "a") == [page_bytes("a", NBYTES)]  # everyone else is served
+    await storage.aclose()

@@ -521,6 +521,10 @@ class NodeServer(AsyncResource):
             code = e.code if isinstance(e, proto.ProtocolError) else "invalid"
             await self._refuse(writer, rid, code, str(e))
             return True
+        except Exception as e:  # a bug: this client is cut off (its holdings reclaimed), no other
+            logger.exception("internal error answering %s; closing this client", op)
+            writer.write(proto.error_reply(rid, "internal", repr(e)))
+            return False
         finally:
             self._busy.discard(holder)
             self._progress.set()
