@@ -14,7 +14,6 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 from typing import Any
 
 from tiercache.errors import TierCacheError
@@ -114,7 +113,3 @@ def server_status(socket_path: str, *, timeout_s: float = 5.0) -> dict[str, Any]
         StorageError: no server answers there, or it refused this process.
     """
     return asyncio.run(_status(socket_path, timeout_s))
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr)
