@@ -474,3 +474,18 @@ async def test_a_failing_storage_read_through_is_a_miss_and_a_bug_cuts_off_one_c
         monkeypatch.undo()
         assert await get(b, "a") == [page_bytes("a", NBYTES)]  # everyone else is served
     await storage.aclose()
+
+
+async def test_a_read_whose_leases_were_lost_during_the_copy_is_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with served(tmp_path) as server, ServeBackend(server.socket_path) as b:
+        assert await put(b, "a", "b") == [True, True]
+        copy = b._copy
+
+        async def copy_then_lose_the_server(*args: Any, **kwargs: Any) -> None:
+            await copy(*args, **kwargs)
+            await server.aclose()  # gone before the release: the leases were not held to the end
+
+        monkeypatch.setattr(b, "_copy", copy_then_lose_the_server)
+        assert await get(b, "a", "b") == [None, None]

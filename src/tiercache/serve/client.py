@@ -226,7 +226,9 @@ class ServeBackend(StorageBackend):
 
     ``batch_set`` reserves arena pages, copies the caller's pages into them
     and commits (a page is visible only once whole); ``batch_get`` leases
-    the pages, copies them out and releases. Copies of more than 1 MiB run
+    the pages, copies them out and releases, and reports them arrived only
+    if the server acknowledges the release: the leases were then held for
+    the whole copy, so no page was reused under it. Copies of more than 1 MiB run
     in the default executor; a cancelled call returns only once its copy is
     done, and its leases and reservations are given back.
 
@@ -386,8 +388,12 @@ class ServeBackend(StorageBackend):
             nbytes = sum(p.nbytes for _, p in copies)
             await self._copy(client.arena, copies, out=True, nbytes=nbytes)
         finally:
-            if lids:
-                await asyncio.shield(self._release(client, lids))
+            held = await asyncio.shield(self._release(client, lids)) if lids else True
+        if not held:
+            # The server did not take the release: the connection (and with it
+            # the leases) may have gone while the bytes were being copied, and
+            # a page no longer leased may have been reused. Nothing counts.
+            return [False] * len(ks)
         found = [a[0] == "hit" for a in answer]
         self._stats.get_hits += len(lids)
         self._stats.bytes_read += nbytes
@@ -426,9 +432,14 @@ class ServeBackend(StorageBackend):
         with contextlib.suppress(_Down, ServerError):
             await self._call(client, op, ids)
 
-    async def _release(self, client: ServeClient, lids: list[int]) -> None:
-        with contextlib.suppress(_Down, ServerError):
+    async def _release(self, client: ServeClient, lids: list[int]) -> bool:
+        """End leases; True only if the server acknowledged (they were held to the end)."""
+        try:
             await self._call(client, "release", lids)
+        except (_Down, ServerError) as e:
+            logger.debug("release: %s", e)
+            return False
+        return True
 
     async def batch_set(self, keys: Sequence[PageKey], pages: Sequence[PageBuffer]) -> list[bool]:
         """Reserve, copy in, commit; a key already held counts as stored."""
