@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tiercache.demo import (
     CONFIG_NAMES,
     PAGE_SIZE,
@@ -57,3 +59,15 @@ def test_the_second_process_hits_what_the_first_computed(tmp_path: Path) -> None
     assert report["tokens_identical"] is True
     assert report["mismatched"] == []
     assert "shared_server: process 2's first request found" in r.stdout
+
+
+async def test_a_node_server_that_cannot_start_is_an_error_naming_why(tmp_path: Path) -> None:
+    from tiercache.demo import _NodeServerProcess
+    from tiercache.errors import TierCacheError
+
+    server = _NodeServerProcess(tmp_path / "serve.sock", 0)  # no arena of 0 bytes
+    with pytest.raises(TierCacheError, match="exited before it was ready.*arena-bytes"):
+        await server.start()
+    await server.stop()
+    await server.stop()  # idempotent
+    assert not (tmp_path / "serve.sock").exists()
