@@ -146,7 +146,8 @@ async def test_requests_naming_what_the_client_does_not_hold_are_refused(
             for op, body, code in [
                 ("bogus", {}, "unknown_op"),
                 ("exists", "a", "malformed"),
-                ("exists", ["../etc"], "invalid"),
+                ("reserve", [["../etc", 1, FORMAT]], "invalid"),
+                ("exists", [7], "invalid"),
                 ("reserve", [["k", -1, FORMAT]], "malformed"),
                 ("lease", [["k", 1, FORMAT]] * (proto.MAX_BATCH + 1), "too_many"),
             ]:
@@ -157,7 +158,7 @@ async def test_requests_naming_what_the_client_does_not_hold_are_refused(
             assert server.stats().leases == 1 and server.stats().writing == 1
             await c1.call("commit", [res[1]])
             await c1.call("release", [lease[1]])
-        assert server.stats().bad_frames == 8
+        assert server.stats().bad_frames == 9
         assert await get(b, "a") == [page_bytes("a", NBYTES)]
 
 

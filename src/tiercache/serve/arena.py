@@ -24,6 +24,8 @@ import mmap
 import os
 from collections.abc import Sequence
 
+import numpy as np
+
 from tiercache.memory.pages import PageBuffer
 
 __all__ = ["Arena", "Extent", "copy_into", "copy_out_of", "extents_of"]
@@ -49,12 +51,19 @@ def extents_of(blocks: Sequence[int], block_bytes: int, nbytes: int) -> list[Ext
 
 
 def _scatter(srcs: Sequence[memoryview], dsts: Sequence[memoryview]) -> None:
-    """Copy the concatenation of ``srcs`` into the concatenation of ``dsts`` (equal totals)."""
+    """Copy the concatenation of ``srcs`` into the concatenation of ``dsts`` (equal totals).
+
+    The copies are numpy's, which release the GIL (a memoryview slice
+    assignment holds it), so that copies of several pages run in parallel
+    threads.
+    """
     si = di = so = do = 0
+    src_arrays = [np.frombuffer(m, dtype=np.uint8) for m in srcs]
+    dst_arrays = [np.frombuffer(m, dtype=np.uint8) for m in dsts]
     while si < len(srcs) and di < len(dsts):
-        s, d = srcs[si], dsts[di]
+        s, d = src_arrays[si], dst_arrays[di]
         n = min(s.nbytes - so, d.nbytes - do)
-        d[do : do + n] = s[so : so + n]
+        np.copyto(d[do : do + n], s[so : so + n])
         so += n
         do += n
         if so == s.nbytes:

@@ -51,6 +51,8 @@ _T = TypeVar("_T")
 
 #: Copies of more bytes than this run in an executor, off the event loop.
 _OFFLOAD_BYTES = 1 << 20
+#: The most worker threads one batch's copies are spread over.
+_COPY_THREADS = 4
 
 
 class ServerError(StorageError):
@@ -491,14 +493,23 @@ class ServeBackend(StorageBackend):
     ) -> None:
         fn = copy_out_of if out else copy_into
 
-        def run() -> None:
-            for ext, page in copies:
+        def run(part: list[tuple[list[Extent], PageBuffer]]) -> None:
+            for ext, page in part:
                 fn(arena, ext, page)
 
-        if nbytes > _OFFLOAD_BYTES:
-            await finish(asyncio.get_running_loop().run_in_executor(None, run))
-        else:
-            run()
+        if nbytes <= _OFFLOAD_BYTES:
+            run(copies)
+            return
+        # Pages in a few groups, copied in parallel worker threads (the copies
+        # release the GIL); the caller gets control back only once all are done.
+        n = min(_COPY_THREADS, len(copies))
+        loop = asyncio.get_running_loop()
+        futures = [loop.run_in_executor(None, run, copies[i::n]) for i in range(n)]
+        # return_exceptions: a failed group must not return control while others still copy
+        results = await finish(asyncio.gather(*futures, return_exceptions=True))
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
 
     async def delete(self, keys: Sequence[PageKey]) -> int:
         self._check_open()

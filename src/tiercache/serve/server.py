@@ -47,7 +47,7 @@ from tiercache.serve.arena import Arena, Extent
 from tiercache.serve.persist import KeptPage, index_path, load_index, save_index
 from tiercache.serve.table import Hold, Outcome, PageTable
 from tiercache.storage.base import PageKey, StorageBackend
-from tiercache.storage.keys import validate_key
+from tiercache.storage.keys import MAX_KEY_LENGTH, validate_key
 
 __all__ = ["NodeServer", "ServerStats", "default_arena_path"]
 
@@ -562,7 +562,7 @@ class NodeServer(AsyncResource):
         return self.stats().as_dict()
 
     async def _op_exists(self, holder: int, body: Any) -> Any:
-        keys = _keys(body)
+        keys = _keys(body, lookup=True)
         n = self._table.exists(keys)
         if n < len(keys) and self._storage is not None:
             try:
@@ -570,7 +570,7 @@ class NodeServer(AsyncResource):
                     self._storage.batch_exists([PageKey(k) for k in keys[n:]]),
                     self.request_timeout_s,
                 )
-            except (StorageError, TimeoutError) as e:
+            except (StorageError, InvalidInputError, TimeoutError) as e:
                 logger.debug("storage exists failed: %r", e)
         return n
 
@@ -605,7 +605,7 @@ class NodeServer(AsyncResource):
         return None
 
     async def _op_lease(self, holder: int, body: Any) -> Any:
-        items = _page_items(body)
+        items = _page_items(body, lookup=True)
         holds = [self._table.lease(holder, k, n, f) for k, n, f in items]
         missing = [i for i, h in enumerate(holds) if h.outcome is Outcome.MISS]
         if missing and self._storage is not None:
@@ -688,7 +688,7 @@ class NodeServer(AsyncResource):
         pages: list[PageBuffer] = []
         for i in missing:
             key, nbytes, fmt = items[i]
-            if not self._fits(nbytes):
+            if not self._fits(nbytes) or not _storable(key):
                 continue
             h = self._table.reserve(self._rt_holder, key, nbytes, fmt)
             if h.outcome is Outcome.NEW:
@@ -748,11 +748,33 @@ def _check_batch_len(body: list[Any]) -> None:
         raise proto.ProtocolError("too_many", f"{len(body)} items; at most {proto.MAX_BATCH}")
 
 
-def _keys(body: Any) -> list[str]:
+def _keys(body: Any, *, lookup: bool = False) -> list[str]:
+    """The keys of a request; ``lookup``: only looked up, never stored (see `_lookup_key`)."""
     if not isinstance(body, list):
         raise proto.ProtocolError("malformed", "the body is a list of keys")
     _check_batch_len(body)
-    return [validate_key(k) for k in body]
+    check = _lookup_key if lookup else validate_key
+    return [check(k) for k in body]
+
+
+def _storable(key: str) -> bool:
+    try:
+        validate_key(key)
+    except InvalidInputError:
+        return False
+    return True
+
+
+def _lookup_key(key: object) -> str:
+    """A key that is only looked up: any str of at most `MAX_KEY_LENGTH` characters.
+
+    Only reserved keys enter the index, and those pass `validate_key`, so a
+    key that breaks its rules is simply not found; skipping its regular
+    expression here saves most of an ``exists`` round trip's server time.
+    """
+    if type(key) is not str or len(key) > MAX_KEY_LENGTH:
+        raise InvalidInputError(f"a page key is a str of at most {MAX_KEY_LENGTH} characters")
+    return key
 
 
 def _ids(body: Any) -> list[int]:
@@ -764,7 +786,7 @@ def _ids(body: Any) -> list[int]:
     return body
 
 
-def _page_items(body: Any) -> list[tuple[str, int, str]]:
+def _page_items(body: Any, *, lookup: bool = False) -> list[tuple[str, int, str]]:
     if not isinstance(body, list):
         raise proto.ProtocolError("malformed", "the body is a list of [key, nbytes, format]")
     _check_batch_len(body)
@@ -782,5 +804,5 @@ def _page_items(body: Any) -> list[tuple[str, int, str]]:
             raise proto.ProtocolError(
                 "malformed", "an item is [key, nbytes > 0, format (a str of at most 1024 chars)]"
             )
-        out.append((validate_key(item[0]), item[1], item[2]))
+        out.append(((_lookup_key if lookup else validate_key)(item[0]), item[1], item[2]))
     return out
