@@ -490,3 +490,21 @@ async def test_a_read_whose_leases_were_lost_during_the_copy_is_a_miss(
 
         monkeypatch.setattr(b, "_copy", copy_then_lose_the_server)
         assert await get(b, "a", "b") == [None, None]
+
+
+async def test_a_second_server_on_a_live_servers_arena_is_refused(tmp_path: Path) -> None:
+    from tiercache.serve.arena import ArenaInUseError
+
+    arena_path = str(tmp_path / "shared.arena")
+    async with (
+        served(tmp_path, arena_path=arena_path, keep_arena=True) as first,
+        ServeBackend(first.socket_path) as b,
+    ):
+        assert await put(b, "a") == [True]
+        for keep in (False, True):
+            with pytest.raises(ArenaInUseError, match="in use by another server"):
+                async with served(tmp_path, arena_path=arena_path, keep_arena=keep):
+                    pass
+        assert await get(b, "a") == [page_bytes("a", NBYTES)]  # untouched
+    async with served(tmp_path, arena_path=arena_path, keep_arena=True) as after:
+        assert after.stats().restored == 1  # the lock went with the first server

@@ -20,6 +20,7 @@ on tmpfs (no device I/O).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 from collections.abc import Sequence
@@ -28,7 +29,7 @@ import numpy as np
 
 from tiercache.memory.pages import PageBuffer
 
-__all__ = ["Arena", "Extent", "copy_into", "copy_out_of", "extents_of"]
+__all__ = ["Arena", "ArenaInUseError", "Extent", "copy_into", "copy_out_of", "extents_of"]
 
 #: ``(offset, length)`` of one run of the arena.
 Extent = tuple[int, int]
@@ -72,17 +73,28 @@ def _scatter(srcs: Sequence[memoryview], dsts: Sequence[memoryview]) -> None:
             di, do = di + 1, 0
 
 
+class ArenaInUseError(OSError):
+    """Another live server holds this arena (its lock is taken)."""
+
+
 class Arena:
     """A shared-memory file of ``nbytes``, mapped read-write into this process.
+
+    The server *owns* its arena: it holds an exclusive ``flock`` on the file
+    for as long as it runs, so that a second server pointed at the same file
+    (by mistake, with another socket) is refused instead of wiping the pages
+    of the first. Clients map without locking.
 
     Args:
         path: the file (``/dev/shm/...`` for shared memory).
         nbytes: its size; the server creates it, a client maps what it finds.
         create: make a new file (replacing a stale one left by a dead
-            server), sized ``nbytes``, mode ``0600`` or ``0660`` with ``gid``.
+            server), sized ``nbytes``, mode ``0600`` or ``0660`` with ``gid``;
+            the caller owns it.
         gid: the group that may map the arena (``None``: the owner only).
 
     Raises:
+        ArenaInUseError: ``create``, and a live server owns the file.
         OSError: the file cannot be created, opened or mapped.
     """
 
@@ -91,8 +103,10 @@ class Arena:
         self.nbytes = nbytes
         #: The server's name for this arena's life (set by a client from ``hello``).
         self.arena_id = ""
+        self._lock_fd: int | None = None
         mode = 0o600 if gid is None else 0o660
         if create:
+            _check_unowned(path)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
@@ -100,6 +114,7 @@ class Arena:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             if create:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.fchmod(fd, mode)  # the umask may have taken bits away
                 if gid is not None:
                     os.fchown(fd, -1, gid)
@@ -114,30 +129,36 @@ class Arena:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
             raise
-        os.close(fd)
+        if create:
+            self._lock_fd = fd  # the lock lives as long as this descriptor
+        else:
+            os.close(fd)
         self._view = memoryview(self._map)
 
     @classmethod
     def adopt(cls, path: str, nbytes: int, *, gid: int | None = None) -> Arena:
-        """Map an arena left by an earlier server, if it is exactly ``nbytes``; reset its mode.
+        """Own and map an arena left by an earlier server, if it is exactly ``nbytes``.
 
         Raises:
+            ArenaInUseError: a live server owns it.
             OSError: no such file, or one of another size.
         """
-        arena = cls(path, nbytes, create=False)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             try:
-                if os.fstat(fd).st_size != nbytes:
-                    raise OSError(f"arena {path} is not {nbytes} bytes")
-                os.fchmod(fd, 0o600 if gid is None else 0o660)
-                if gid is not None:
-                    os.fchown(fd, -1, gid)
-            finally:
-                os.close(fd)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as e:
+                raise ArenaInUseError(f"arena {path} is in use by another server") from e
+            if os.fstat(fd).st_size != nbytes:
+                raise OSError(f"arena {path} is not {nbytes} bytes")
+            os.fchmod(fd, 0o600 if gid is None else 0o660)
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+            arena = cls(path, nbytes, create=False)
         except BaseException:
-            arena.close()
+            os.close(fd)
             raise
+        arena._lock_fd = fd
         return arena
 
     def views(self, extents: Sequence[Extent]) -> list[memoryview]:
@@ -162,11 +183,28 @@ class Arena:
         with contextlib.suppress(BufferError):
             self._view.release()
             self._map.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the ownership lock
+            self._lock_fd = None
 
     def unlink(self) -> None:
         """Remove the file (mappings stay valid until unmapped)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def _check_unowned(path: str) -> None:
+    """Raise `ArenaInUseError` if a live server holds the lock of the file at ``path``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as e:
+        raise ArenaInUseError(f"arena {path} is in use by another server") from e
+    finally:
+        os.close(fd)
 
 
 def copy_into(arena: Arena, extents: Sequence[Extent], page: PageBuffer) -> None:

@@ -43,7 +43,7 @@ from tiercache._resource import AsyncResource
 from tiercache.errors import ConfigError, InvalidInputError, StateError, StorageError
 from tiercache.memory.pages import PageBuffer
 from tiercache.serve import protocol as proto
-from tiercache.serve.arena import Arena, Extent
+from tiercache.serve.arena import Arena, ArenaInUseError, Extent
 from tiercache.serve.persist import KeptPage, index_path, load_index, save_index
 from tiercache.serve.table import Hold, Outcome, PageTable
 from tiercache.storage.base import PageKey, StorageBackend
@@ -268,6 +268,8 @@ class NodeServer(AsyncResource):
         if self.keep_arena and os.path.exists(index_path(self.arena_path)):
             try:
                 arena = Arena.adopt(self.arena_path, self.arena_bytes, gid=self.gid)
+            except ArenaInUseError:
+                raise
             except OSError as e:
                 logger.warning("cannot keep arena %s (%s): starting empty", self.arena_path, e)
             else:
