@@ -98,7 +98,7 @@ class NodeServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def run_engine_process(module: str, args: dict[str, Any], timeout: float = 180.0) -> Any:
+def run_engine_process(module: str, args: dict[str, Any], timeout: float = 280.0) -> Any:
     """Run ``python -m module`` with ``args`` as JSON on its stdin; returns its JSON answer.
 
     The process prints one JSON line last; anything else it prints (engine
