@@ -4,7 +4,9 @@ Subcommands:
 
 ``tiercache demo``     the serving demo under four cache configurations (`tiercache.demo`);
 ``tiercache bench``    the benchmarks of the repository checkout (``benchmarks/run.py``);
-``tiercache inspect``  what a file store holds, read from its page headers.
+``tiercache inspect``  what a file store holds, read from its page headers;
+``tiercache serve``    one KV page cache per node (`tiercache.serve`);
+``tiercache status``   the health and counts of a running ``tiercache serve``.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import tiercache
 from tiercache.errors import ConfigError, StorageCorruptionError
 
-__all__ = ["find_benchmarks", "inspect_store", "main"]
+__all__ = ["find_benchmarks", "inspect_store", "main", "parse_size"]
 
 #: The address ``tiercache demo --metrics-port`` serves on unless told otherwise.
 _METRICS_ADDR = "127.0.0.1"
@@ -144,6 +147,46 @@ def _positive_int(text: str) -> int:
     return value
 
 
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(text: str) -> int:
+    """A byte count: ``1073741824``, ``1GiB``, ``512MiB``, ``64KiB``, ``2G`` (=2e9), ``1_000``.
+
+    Raises:
+        argparse.ArgumentTypeError: not a positive size.
+    """
+    t = text.strip().replace("_", "").lower()
+    digits = t.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = t[len(digits) :].strip()
+    try:
+        value = float(digits) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (e.g. 1073741824, 1GiB, 512MiB)"
+        ) from None
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(
+            f"a size is a positive whole number of bytes, got {text!r}"
+        )
+    return int(value)
+
+
 def _port(text: str) -> int:
     """An argparse type: a TCP port, 0 (any free port) to 65535."""
     value = int(text)
@@ -237,6 +280,49 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from tiercache.errors import TierCacheError
+    from tiercache.serve.run import run_server
+    from tiercache.serve.server import NodeServer
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        server = NodeServer(
+            os.path.abspath(args.socket),
+            args.arena_bytes,
+            storage_url=args.storage_url,
+            group=args.group,
+            block_bytes=args.block_bytes,
+            arena_path=args.arena_path,
+            drain_timeout_s=args.drain_seconds,
+            keep_arena=args.keep_arena,
+        )
+        return run_server(server, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr)
+    except (TierCacheError, OSError) as e:
+        print(f"tiercache serve: {e}", file=sys.stderr)
+        return 2
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from tiercache.errors import StorageError
+    from tiercache.serve.run import server_status
+
+    try:
+        info = server_status(os.path.abspath(args.socket), timeout_s=args.timeout)
+    except StorageError as e:
+        print(f"tiercache status: down: {e}", file=sys.stderr)
+        return 1
+    print(f"status: up  socket: {os.path.abspath(args.socket)}  pid: {info.pop('pid', '?')}")
+    for k, v in info.items():
+        print(f"{k}: {v}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tiercache", description="tiercache: a tiered KV cache for LLM serving."
@@ -308,7 +394,78 @@ def build_parser() -> argparse.ArgumentParser:
     )
     insp.add_argument("path", help="the file store's root directory, or its file:// storage URL")
     insp.set_defaults(func=_cmd_inspect)
+    _add_serve_parsers(sub)
     return parser
+
+
+def _add_serve_parsers(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="run one KV page cache per node, shared by its engine processes",
+        description="Own a page arena in shared memory and serve it over a Unix socket; engines "
+        "use it as the storage URL tiercache+unix://SOCKET. Prints a 'tiercache serve: ready' "
+        "line once the socket accepts connections; SIGTERM drains and exits.",
+    )
+    serve.add_argument("--socket", required=True, help="the Unix socket to listen on")
+    serve.add_argument(
+        "--arena-bytes",
+        required=True,
+        type=parse_size,
+        metavar="N",
+        help="size of the shared-memory page arena (e.g. 8GiB)",
+    )
+    serve.add_argument(
+        "--storage-url",
+        default=None,
+        help="storage behind the arena (any tiercache URL): write-behind and read-through",
+    )
+    serve.add_argument(
+        "--group",
+        default=None,
+        help="a group (name or gid) whose members may connect; socket and arena become 0660",
+    )
+    serve.add_argument(
+        "--metrics-port", type=_port, default=None, metavar="P", help="serve Prometheus metrics"
+    )
+    serve.add_argument(
+        "--metrics-addr", default=_METRICS_ADDR, help="address of the metrics server"
+    )
+    serve.add_argument(
+        "--block-bytes",
+        type=parse_size,
+        default=64 << 10,
+        metavar="N",
+        help="arena block size; a page takes whole blocks (default: 64KiB)",
+    )
+    serve.add_argument(
+        "--arena-path",
+        default=None,
+        help="the arena file (default: /dev/shm/tiercache-<hash of the socket path>.arena)",
+    )
+    serve.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, the longest to wait for in-flight work and write-behind (default: 10)",
+    )
+    serve.add_argument(
+        "--keep-arena",
+        action="store_true",
+        help="on SIGTERM keep the arena and an index of its pages in shared memory; a server "
+        "started with --keep-arena on the same arena checks each page's checksum and serves "
+        "the intact ones (a restart or an upgrade keeps the warm cache)",
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=_cmd_serve)
+
+    status = sub.add_parser(
+        "status",
+        help="print the health and counts of a running tiercache serve",
+        description="Exit 0 and print the server's counters if it answers, else exit 1.",
+    )
+    status.add_argument("--socket", required=True, help="the server's Unix socket")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for it")
+    status.set_defaults(func=_cmd_status)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,13 +10,20 @@ An asyncio serving loop drives `TinyCausalLM` (fp32, CPU) through a
 * **a shared long document** asked several different questions, also with
   Poisson arrivals.
 
-The same workload runs under four configurations:
+The same workload runs under five configurations:
 
 ``no_cache``     recompute every prompt (the cache's prefix is never used);
 ``device``       device tier only (``write_back`` with a pool that never evicts);
 ``device_host``  a small device pool whose evictions go to the host tier;
 ``all_tiers``    device + host + a file store: the workload runs once to fill
                  the store, the cache is flushed, and the second run is measured.
+``shared_server`` one cache per node: a ``tiercache serve`` process owns the
+                 store, and two engine processes share it through
+                 ``tiercache+unix://``. The first process runs the workload and
+                 flushes its cache into the server, then exits; the second, a
+                 fresh process with empty device and host tiers, is measured:
+                 its very first request finds the prefix the first process
+                 computed.
 
 For each it reports the time to first token (mean, p50, p90), the prompt
 tokens the model computed, and the hit rate of each tier; checks that every
@@ -32,10 +39,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
 import shutil
+import signal
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -48,12 +58,13 @@ from tqdm import tqdm
 from tiercache._checks import check_number, check_positive
 from tiercache.cache import TierCache
 from tiercache.config import TierCacheConfig
-from tiercache.errors import ConfigError
+from tiercache.errors import ConfigError, TierCacheError
 from tiercache.memory.pools import DeviceKVPool
 from tiercache.models.tiny import TinyCausalLM, TinyConfig
 
 __all__ = [
     "CONFIG_NAMES",
+    "SHARED_SERVER",
     "ConfigResult",
     "DemoSettings",
     "Workload",
@@ -62,6 +73,7 @@ __all__ = [
     "main",
     "run_demo",
     "settings_for",
+    "shared_process_main",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,7 +81,15 @@ logger = logging.getLogger(__name__)
 PAGE_SIZE = 16
 MODEL_NAME = "tiny-demo"
 #: The configurations, in the order they run.
+#: The configurations that run in the demo's own process, in the order they run
+#: (``report["configs"]``); `SHARED_SERVER` runs last, in processes of its own
+#: (``report["shared_server"]``).
 CONFIG_NAMES: tuple[str, ...] = ("no_cache", "device", "device_host", "all_tiers")
+SHARED_SERVER = "shared_server"
+#: The page arena of the ``shared_server`` configuration's server.
+SHARED_ARENA_BYTES = 256 << 20
+#: How long the ``shared_server`` server may take to say it is ready.
+SERVER_START_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,11 +212,16 @@ def model_config() -> TinyConfig:
     return TinyConfig(dtype=torch.float32, seed=0)
 
 
-def demo_configs(store: Path, settings: DemoSettings) -> dict[str, tuple[TierCacheConfig, bool]]:
+def demo_configs(
+    store: Path, settings: DemoSettings, server_socket: Path | None = None
+) -> dict[str, tuple[TierCacheConfig, bool]]:
     """Each configuration's cache config and whether it uses the cached prefix.
 
-    The small device pool of ``device_host`` and ``all_tiers`` holds the
-    requests that run at once and little more, so the rest of the workload's KV is evicted to the host tier.
+    The small device pool of ``device_host``, ``all_tiers`` and
+    ``shared_server`` holds the requests that run at once and little more, so
+    the rest of the workload's KV is evicted to the host tier.
+    ``server_socket`` is the socket of ``shared_server``'s node server
+    (default: ``serve.sock`` beside ``store``).
     """
     mc = model_config()
     s = settings
@@ -215,6 +240,7 @@ def demo_configs(store: Path, settings: DemoSettings) -> dict[str, tuple[TierCac
         device="cpu",
     )
     small = dict(device_tokens=small_device, host_tokens=65536, write_policy="write_through")
+    sock = server_socket if server_socket is not None else store.parent / "serve.sock"
     return {
         "no_cache": (base.replace(device_tokens=4096, host_tokens=PAGE_SIZE), False),
         "device": (
@@ -231,6 +257,15 @@ def demo_configs(store: Path, settings: DemoSettings) -> dict[str, tuple[TierCac
             ),
             True,
         ),
+        SHARED_SERVER: (
+            base.replace(
+                **small,
+                storage_url=f"tiercache+unix://{sock.resolve()}",
+                prefetch_threshold=PAGE_SIZE,
+                prefetch_policy="wait_complete",
+            ),
+            True,
+        ),
     }
 
 
@@ -239,6 +274,8 @@ class RunResult:
     """What one pass over the workload measured."""
 
     ttfts: list[float] = field(default_factory=list)
+    #: Per request, in the order their first token came: prompt tokens, cached tokens.
+    served: list[tuple[int, int]] = field(default_factory=list)
     prefill_tokens: int = 0
     prompt_tokens: int = 0
     answers: dict[str, list[int]] = field(default_factory=dict)
@@ -339,6 +376,7 @@ async def _serve(
         try:
             logits = await asyncio.to_thread(model.prefill, pool, prompt, slots[: len(prompt)])
             result.ttfts.append(time.perf_counter() - t0)
+            result.served.append((len(prompt), 0))
             result.prefill_tokens += len(prompt)
             first = int(logits[-1].argmax())
             return await asyncio.to_thread(
@@ -357,6 +395,7 @@ async def _serve(
             model.prefill, pool, prompt[k:], new[:n_new], prefix, req.layer_ready
         )
         result.ttfts.append(time.perf_counter() - t0)
+        result.served.append((len(prompt), k))
         result.prefill_tokens += n_new
         first = int(logits[-1].argmax())
         context = torch.cat([prefix, new[:n_new]])
@@ -511,6 +550,183 @@ class _MetricsServer:
             await asyncio.to_thread(self._thread.join)
 
 
+async def _flush(name: str, cache: TierCache) -> None:
+    """Write every page of ``cache`` to its storage (the node's server) before it closes."""
+    await cache.flush()
+    await cache.wait_idle()
+
+
+async def _shared_process_run(req: dict[str, Any]) -> dict[str, Any]:
+    """One engine process of ``shared_server``: the workload through a cache on the node's server."""
+    settings = DemoSettings(**req["settings"])
+    model = await asyncio.to_thread(TinyCausalLM, model_config())
+    wl = build_workload(settings, model.config.vocab_size)
+    configs = await asyncio.to_thread(
+        demo_configs, Path(req["store"]), settings, Path(req["socket"])
+    )
+    cfg, use_prefix = configs[SHARED_SERVER]
+    hook = _flush if req["role"] == "fill" else None
+    res, runs = await _run_config(
+        SHARED_SERVER, cfg, use_prefix, model, wl, _Progress(0, False), on_config_done=hook
+    )
+    run = runs[-1]
+    return {"result": asdict(res), "answers": run.answers, "served": run.served, "pid": os.getpid()}
+
+
+def shared_process_main() -> int:
+    """Entry point of a ``shared_server`` engine process (``python -m tiercache.demo``).
+
+    Reads its request as JSON on stdin (``role``: ``fill`` runs the workload
+    and flushes the cache into the server, ``measure`` runs it; ``settings``,
+    ``store``, ``socket``) and prints its result as one JSON line.
+    """
+    req = json.load(sys.stdin)
+    print(json.dumps(asyncio.run(_shared_process_run(req))), flush=True)
+    return 0
+
+
+class _NodeServerProcess:
+    """The ``shared_server`` configuration's ``tiercache serve`` process.
+
+    Started as an operator starts it, with the socket in a short folder of its
+    own; ready when it prints its ready line. Its output is drained while it
+    runs (the last lines are kept for an error message); `stop` sends SIGTERM,
+    so it drains and exits, and kills it if it has not within 30 s.
+    """
+
+    def __init__(self, socket: Path, arena_bytes: int) -> None:
+        self.socket = socket
+        self.arena_bytes = arena_bytes
+        self._proc: asyncio.subprocess.Process | None = None
+        self._drain: asyncio.Task[None] | None = None
+        self.lines: list[str] = []
+
+    async def start(self) -> str:
+        """Start the server; returns its ready line.
+
+        Raises:
+            TierCacheError: it exited or said nothing within `SERVER_START_S`.
+        """
+        from tiercache.serve.run import READY_PREFIX
+
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tiercache",
+            "serve",
+            "--socket",
+            str(self.socket),
+            "--arena-bytes",
+            str(self.arena_bytes),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out = self._proc.stdout
+        assert out is not None
+        try:
+            async with asyncio.timeout(SERVER_START_S):
+                while True:
+                    line = await self._readline(out)
+                    if line is None:
+                        raise TierCacheError(
+                            "tiercache serve exited before it was ready: " + " | ".join(self.lines)
+                        )
+                    if line.startswith(READY_PREFIX):
+                        break
+        except TimeoutError:
+            raise TierCacheError(
+                f"tiercache serve was not ready within {SERVER_START_S:.0f} s"
+            ) from None
+        self._drain = asyncio.create_task(self._drain_output(out))
+        return line
+
+    async def _readline(self, out: asyncio.StreamReader) -> str | None:
+        raw = await out.readline()
+        if not raw:
+            return None
+        line = raw.decode(errors="replace").rstrip()
+        self.lines = [*self.lines[-19:], line]
+        return line
+
+    async def _drain_output(self, out: asyncio.StreamReader) -> None:
+        while await self._readline(out) is not None:
+            pass
+
+    async def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(30):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        if self._drain is not None:
+            await self._drain
+
+
+async def _engine_process(role: str, store: Path, settings: DemoSettings, socket: Path) -> Any:
+    """Run one ``shared_server`` engine process to its end; returns its JSON result.
+
+    Raises:
+        TierCacheError: the process failed (the message holds the end of its stderr).
+    """
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tiercache.demo",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    req = {"role": role, "settings": asdict(settings), "store": str(store), "socket": str(socket)}
+    out, err = await proc.communicate(json.dumps(req).encode())
+    lines = out.decode(errors="replace").strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise TierCacheError(
+            f"the demo's {role} engine process exited {proc.returncode}: "
+            + err.decode(errors="replace")[-2000:]
+        )
+    return json.loads(lines[-1])
+
+
+async def _run_shared_server(
+    store: Path, settings: DemoSettings, socket: Path, wl: Workload, progress: _Progress
+) -> tuple[ConfigResult, dict[str, dict[str, list[int]]], dict[str, Any]]:
+    """``shared_server``: a node server and two engine processes, one after the other.
+
+    Returns the measured (second) process's result, both processes' answers,
+    and what the report says of the configuration: the server, each
+    process's id and hit rates, and how much of the second process's first
+    request came from the cache.
+    """
+    server = _NodeServerProcess(socket, SHARED_ARENA_BYTES)
+    try:
+        ready = await server.start()
+        done: dict[str, Any] = {}
+        for role, label in (("fill", "process 1"), ("measure", "process 2")):
+            progress.start(f"shared_server ({label})")
+            done[role] = await _engine_process(role, store, settings, socket)
+            for _ in range(wl.num_requests):
+                progress.step()
+    finally:
+        await server.stop()
+    first, second = done["fill"], done["measure"]
+    prompt_tokens, cached_tokens = second["served"][0]
+    info = {
+        "server": ready,
+        "arena_bytes": SHARED_ARENA_BYTES,
+        "process_1": {"pid": first["pid"], "hit_rates": first["result"]["hit_rates"]},
+        "process_2": {"pid": second["pid"], "hit_rates": second["result"]["hit_rates"]},
+        "first_request": {"prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens},
+    }
+    answers = {f"{SHARED_SERVER}/process_1": first["answers"], SHARED_SERVER: second["answers"]}
+    return ConfigResult(**second["result"]), answers, info
+
+
 async def run_demo(
     directory: Path,
     settings: DemoSettings,
@@ -520,12 +736,14 @@ async def run_demo(
     metrics_addr: str = "127.0.0.1",
     on_config_done: ConfigHook | None = None,
 ) -> dict[str, Any]:
-    """Run the four configurations; returns the report (also written to ``<directory>/demo.json``).
+    """Run the five configurations; returns the report (also written to ``<directory>/demo.json``).
 
     The file store lives in ``<directory>/store`` and is emptied first, so the
     ``all_tiers`` numbers always come from this run's own fill; a ``store``
     folder there that holds anything but file store pages is left alone and
-    the demo refuses to run.
+    the demo refuses to run. The ``shared_server`` configuration starts
+    ``tiercache serve`` (its socket in a fresh folder under the system's
+    temporary directory, removed at the end) and two engine processes.
 
     Args:
         directory: output folder (``demo.json``, ``demo.png``, the file store).
@@ -543,6 +761,8 @@ async def run_demo(
         ConfigError: ``metrics_port`` was given and prometheus_client is
             missing or the port cannot be bound, or ``<directory>/store``
             holds something other than file store pages.
+        TierCacheError: the node server or an engine process of
+            ``shared_server`` failed.
     """
     store = directory / "store"
     metrics = _MetricsServer(metrics_port, metrics_addr) if metrics_port is not None else None
@@ -586,26 +806,47 @@ async def _run_demo(
     on_config_done: ConfigHook | None,
 ) -> dict[str, Any]:
 
-    def prepare() -> None:
+    def prepare() -> Path:
         directory.mkdir(parents=True, exist_ok=True)
         _check_only_pages(store)
         shutil.rmtree(store, ignore_errors=True)
+        # A Unix socket's path is limited to ~100 bytes: a short folder of its own.
+        return Path(tempfile.mkdtemp(prefix="tiercache-demo-")) / "serve.sock"
 
-    await asyncio.to_thread(prepare)
+    socket = await asyncio.to_thread(prepare)
+    try:
+        return await _run_all(directory, store, socket, settings, progress, metrics, on_config_done)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, socket.parent, True)
+
+
+async def _run_all(
+    directory: Path,
+    store: Path,
+    socket: Path,
+    settings: DemoSettings,
+    progress: bool,
+    metrics: _MetricsServer | None,
+    on_config_done: ConfigHook | None,
+) -> dict[str, Any]:
     model = await asyncio.to_thread(TinyCausalLM, model_config())
     wl = build_workload(settings, model.config.vocab_size)
-    configs = await asyncio.to_thread(demo_configs, store, settings)  # resolves a path
-    bar = _Progress(wl.num_requests * (len(configs) + 1), progress)
+    configs = await asyncio.to_thread(demo_configs, store, settings, socket)  # resolves paths
+    # all_tiers and shared_server run the workload twice.
+    bar = _Progress(wl.num_requests * (len(configs) + 2), progress)
     results: list[ConfigResult] = []
     answers: dict[str, dict[str, list[int]]] = {}
     try:
-        for name, (cfg, use_prefix) in configs.items():
+        for name in CONFIG_NAMES:
+            cfg, use_prefix = configs[name]
             res, runs = await _run_config(
                 name, cfg, use_prefix, model, wl, bar, metrics, on_config_done
             )
             results.append(res)
             for i, r in enumerate(runs):
                 answers[name if i == len(runs) - 1 else f"{name}/fill"] = r.answers
+        shared_res, more, shared = await _run_shared_server(store, settings, socket, wl, bar)
+        answers.update(more)
     finally:
         bar.close()
     reference = answers["no_cache"]
@@ -628,9 +869,10 @@ async def _run_demo(
         "prefill_token_reduction": 1.0 - full.prefill_tokens / none.prefill_tokens
         if none.prefill_tokens
         else 0.0,
+        SHARED_SERVER: {"config": asdict(shared_res), **shared},
         "answers": reference,
     }
-    await asyncio.to_thread(_write_outputs, directory, report, results)
+    await asyncio.to_thread(_write_outputs, directory, report, [*results, shared_res])
     return report
 
 
@@ -676,7 +918,8 @@ def format_report(report: dict[str, Any]) -> str:
         "total",
     ]
     rows = []
-    for name, r in report["configs"].items():
+    every = {**report["configs"], SHARED_SERVER: report[SHARED_SERVER]["config"]}
+    for name, r in every.items():
         h = r["hit_rates"]
         rows.append(
             [
@@ -703,6 +946,11 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
         f"TTFT no_cache / all_tiers: {report['ttft_ratio_no_cache_over_all_tiers']:.2f}x; "
         f"prefill tokens computed: -{report['prefill_token_reduction']:.1%}"
+    )
+    first = report[SHARED_SERVER]["first_request"]
+    lines.append(
+        f"shared_server: process 2's first request found {first['cached_tokens']} of its "
+        f"{first['prompt_tokens']} prompt tokens in the node's server, computed by process 1"
     )
     if report["tokens_identical"]:
         lines.append("generated tokens: identical in every configuration")
@@ -738,3 +986,7 @@ def main(
     print(f"results: {out / 'demo.json'}" + (f", {report['chart']}" if report.get("chart") else ""))
     print(f"total: {time.perf_counter() - t0:.1f} s")
     return 0 if report["tokens_identical"] else 1
+
+
+if __name__ == "__main__":  # a shared_server engine process (see shared_process_main)
+    sys.exit(shared_process_main())

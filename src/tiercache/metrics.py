@@ -2,8 +2,10 @@
 
 `TierCacheCollector` is a ``prometheus_client`` collector that the host
 application registers in its own ``CollectorRegistry``. At each scrape it reads
-the ``stats()`` of the object it watches -- a `tiercache.TierCache`, or a
-`tiercache.storage.StorageBackend` -- and turns the counters into metric
+the ``stats()`` of the object it watches -- a `tiercache.TierCache`, a
+`tiercache.storage.StorageBackend`, or a node server (`tiercache.serve.NodeServer`,
+whose families are named ``serve_*``: arena bytes used and free, pages,
+leases, clients, hits, misses, write-behind backlog) -- and turns the counters into metric
 families; it also keeps latency histograms fed through `tiercache.observe`
 (copies and storage calls) and samples the event loop's lag::
 
@@ -305,6 +307,50 @@ def _backend_families(make: _FamilyMaker, s: Any, backend: str) -> Iterator[Metr
         yield c
 
 
+# (metric suffix, ServerStats field, help) of a node server (`tiercache.serve.NodeServer`).
+_SERVE_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("serve_pages", "pages", "Pages held in the node server's arena."),
+    ("serve_leases", "leases", "Read leases held on arena pages."),
+    ("serve_reservations", "writing", "Arena pages reserved and being written."),
+    ("serve_clients", "clients", "Client connections."),
+    (
+        "serve_write_behind_backlog",
+        "write_behind_backlog",
+        "Pages waiting to be written to storage.",
+    ),
+)
+_SERVE_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("serve_hits", "hits", "Pages leased to clients (read-through included)."),
+    ("serve_misses", "misses", "Pages asked for and not found."),
+    ("serve_read_through", "read_through", "Pages read from storage into the arena on a miss."),
+    ("serve_evictions", "evictions", "Unleased pages evicted to make room."),
+    ("serve_refused_writes", "refused_writes", "Writes refused: every evictable page leased."),
+    ("serve_write_behind_done", "write_behind_done", "Pages written behind to storage."),
+    ("serve_write_behind_failed", "write_behind_failed", "Write-behind pages that failed."),
+    ("serve_refused_peers", "refused_peers", "Connections refused by their credentials."),
+    ("serve_bad_frames", "bad_frames", "Malformed, oversized or refused frames."),
+)
+
+
+def _serve_families(make: _FamilyMaker, s: Any) -> Iterator[Metric]:
+    """A node server's arena, leases, clients and traffic (``s``: ServerStats or None)."""
+    arena = make.gauge("serve_arena_bytes", "Arena bytes used and free.", ["state"])
+    if s is not None:
+        arena.add_metric(make.labels("used"), _num(s.arena_used_bytes))
+        arena.add_metric(make.labels("free"), _num(s.arena_free_bytes))
+    yield arena
+    for suffix, field, doc in _SERVE_GAUGES:
+        g = make.gauge(suffix, doc)
+        if s is not None:
+            g.add_metric(make.values, _num(getattr(s, field, 0)))
+        yield g
+    for suffix, field, doc in _SERVE_COUNTERS:
+        c = make.counter(suffix, doc)
+        if s is not None:
+            c.add_metric(make.values, _num(getattr(s, field, 0)))
+        yield c
+
+
 class TierCacheCollector(Collector):
     """A Prometheus collector over one tiercache object's ``stats()``, plus latency histograms.
 
@@ -481,11 +527,15 @@ class TierCacheCollector(Collector):
         """
         make = _FamilyMaker(self.namespace, self.labels)
         if stats is None:
+            serve = hasattr(self.source, "arena_path")
             backend = self._watches_backend()
-            cache = not backend
+            cache = not backend and not serve
         else:
+            serve = hasattr(stats, "arena_used_bytes")
             backend = hasattr(stats, "get_pages")
             cache = hasattr(stats, "tokens_requested")
+        if serve:
+            yield from _serve_families(make, stats)
         if cache:
             token_bytes = _num(getattr(getattr(self.source, "layout", None), "token_bytes", 0))
             yield from _lookup_families(make, stats)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from tests.storage.redis_fixtures import redis_backend_factory
 
+from tiercache.serve import NodeServer, ServeBackend
 from tiercache.storage import StorageBackend
 from tiercache.storage.file import FileBackend
 from tiercache.storage.memory import MemoryBackend
@@ -28,10 +29,32 @@ async def _file(tmp_path: Path) -> StorageBackend:
     return await FileBackend.open(tmp_path / "store")
 
 
+class _ServedBackend(ServeBackend):
+    """A client of a server of its own, which it closes with itself."""
+
+    server: NodeServer
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await self.server.aclose()
+
+
+async def _serve(tmp_path: Path) -> StorageBackend:
+    import tempfile
+
+    sock = tempfile.mktemp(prefix="tcs-", suffix=".sock", dir="/tmp")  # short: sun_path limit
+    server = NodeServer(sock, 8 << 20, block_bytes=4096, arena_path=str(tmp_path / "arena"))
+    await server.start()
+    backend = _ServedBackend(sock)
+    backend.server = server
+    return backend
+
+
 BACKEND_FACTORIES: dict[str, BackendFactory] = {
     "memory": _memory,
     "file": _file,
     "redis": redis_backend_factory,
+    "serve": _serve,
 }
 
 

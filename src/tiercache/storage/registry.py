@@ -10,6 +10,8 @@
     file:///x?capacity_bytes=1000000&fsync=1
     redis://host:6379/0, rediss://..., unix:///run/redis.sock
                                        RedisBackend (tiercache.storage.redis)
+    tiercache+unix:///run/tc.sock      ServeBackend: a node's ``tiercache serve``
+                                       (tiercache.serve.client)
     <name>://...                       a backend added with register_backend,
                                        or by the ``tiercache.backends`` entry point group
     package.module:ClassName[?...]     a backend class by dotted path
@@ -81,6 +83,7 @@ _BUILTIN: dict[str, str] = {
     "memory": "tiercache.storage.memory:MemoryBackend",
     "file": "tiercache.storage.file:FileBackend",
     "redis": "tiercache.storage.redis:RedisBackend",
+    "tiercache+unix": "tiercache.serve.client:ServeBackend",
 }
 _ALIASES: dict[str, str] = {
     "rediss": "redis",
