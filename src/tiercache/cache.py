@@ -79,6 +79,7 @@ from tiercache.errors import (
 )
 from tiercache.index.hashing import INLINE_HASH_PAGES, page_hashes
 from tiercache.index.radix import MatchResult, Node, RadixIndex, extra_key_prior
+from tiercache.ledger import Owner
 from tiercache.memory.allocator import PageAllocator, check_slot_indices, page_ids
 from tiercache.memory.pools import DeviceKVPool, HostKVPool, resolve_device
 from tiercache.storage.base import StorageBackend
@@ -350,12 +351,9 @@ class TierCache(AsyncResource):
         # waits for them too (the index already shows the nodes as
         # device-resident while the bytes are landing).
         self._pending_loads: dict[CopyAck, _PendingLoad] = {}
-        # Device pages some index node holds: `insert` refuses slots the
-        # index already owns, and a failed load frees what nobody owns.
-        self._index_pages = np.zeros(0, dtype=np.bool_)
-        # Device pages an open request got from `Request.alloc` and still
-        # owns: only that request may commit or free them.
-        self._request_pages = np.zeros(0, dtype=np.bool_)
+        # Who owns each page (the index, a request, a caller) lives in the
+        # controller's `Ledger`: `insert` refuses pages the index or another
+        # request owns, and a failed load frees what nobody owns.
         # Tasks waiting for device room and for host room (`_RoomQueue`);
         # `_notify_room` wakes both. Nodes whose write-through waits for host room.
         self._device_queue = _RoomQueue()
@@ -452,8 +450,6 @@ class TierCache(AsyncResource):
             raise
         self._controller = ctl
         self._forget_settle = ctl.add_settle_callback(self._notify_room)
-        self._index_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
-        self._request_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
         self.state = CacheState.OPEN
@@ -617,13 +613,23 @@ class TierCache(AsyncResource):
         """
         return await self._alloc_device(num_tokens, own=-1)
 
-    async def _alloc_device(self, num_tokens: int, own: int) -> torch.Tensor:
+    async def _alloc_device(
+        self, num_tokens: int, own: int, request: object = None
+    ) -> torch.Tensor:
+        """`alloc_device`; with ``request``, the slots are that request's in the ledger."""
         ctl = self._check()
         n = check_count(num_tokens, "num_tokens", multiple_of=self.layout.page_size)
-        alloc = ctl.device_allocator
-        if n > alloc.num_slots:
-            raise CapacityError(f"{n} device slots asked: the pool holds {alloc.num_slots}")
-        return await self._take_room(lambda: n, lambda: alloc.alloc(n), own)
+        books = ctl.ledger.device
+        if n > books.num_slots:
+            raise CapacityError(f"{n} device slots asked: the pool holds {books.num_slots}")
+
+        def take() -> torch.Tensor | None:
+            if request is not None:
+                return books.grant(request, n)
+            got = books.alloc(n)
+            return None if got is None else got[0]
+
+        return await self._take_room(lambda: n, take, own)
 
     async def _take_room(
         self,
@@ -739,7 +745,7 @@ class TierCache(AsyncResource):
         """Device slots allocated that no index node holds: requests', callers' of
         `alloc_device` (or, with an engine's allocator, the engine's), copies'."""
         used = self.controller.device_allocator.used
-        return used - int(self._index_pages.sum()) * self.layout.page_size
+        return used - self.controller.ledger.device.tokens_owned(Owner.INDEX)
 
     def _notify_room(self) -> None:
         """Wake the tasks waiting for device or host room: room may have appeared.
@@ -772,22 +778,35 @@ class TierCache(AsyncResource):
             indices, self.layout.page_size, ctl.device_pool.num_slots, "indices"
         )
         pages = self._pages(dev)
-        if bool(self._index_pages[pages].any()):
+        books = ctl.ledger.device
+        if books.owned(pages, Owner.INDEX):
             raise InvalidInputError("free_device: some of these slots hold cached KV of the index")
-        if bool(self._request_pages[pages].any()):
+        if books.owned(pages, Owner.REQUEST):
             raise InvalidInputError(
                 "free_device: some of these slots belong to an open request (it frees them)"
             )
-        # The controller's settle callbacks (`_notify_room` among them) wake the waiters.
-        ctl.free_device(dev, ready=ready_ev, checked=True)
+        if books.leased(pages):
+            raise StateError("device slots with a copy in flight cannot be freed; await its ack")
+        # The ledger's release wakes the waiters for room.
+        books.free(pages, fence=ready_ev)
 
     def _pages(self, dev: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Page ids of page-aligned CPU slot indices."""
         return page_ids(dev, self.layout.page_size)
 
     def _set_index_pages(self, dev: torch.Tensor, held: bool) -> None:
+        """The index takes ``dev`` (``held``), or gives it up to the cache (which frees it)."""
         if dev.numel():
-            self._index_pages[self._pages(dev)] = held
+            self.controller.ledger.device.give(
+                self._pages(dev), Owner.INDEX if held else Owner.CALLER
+            )
+
+    def _free_device_now(self, dev: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        """Free device slots the cache holds, behind a fence on the engine's compute stream
+        (``ready``, or one recorded now: `TierController.use_compute_stream`)."""
+        ctl = self.controller
+        fence = ready if ready is not None else ctl.ready_event(None, "free_device")
+        ctl.ledger.device.free(self._pages(dev), fence=fence)
 
     async def evict_device(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots (fewer when the rest is locked), LRU leaves first.
@@ -919,7 +938,7 @@ class TierCache(AsyncResource):
         """Free the device copy of a node that has a host copy; returns slots freed."""
         dev = self.index.mark_device_evicted(node)
         self._set_index_pages(dev, False)
-        ctl.free_device(dev)
+        self._free_device_now(dev)
         self._stats.device_evictions += 1
         self._stats.device_evicted_tokens += dev.numel()
         return int(dev.numel())
@@ -932,7 +951,7 @@ class TierCache(AsyncResource):
         assert dev is not None
         self.index.remove(node)
         self._set_index_pages(dev, False)
-        ctl.free_device(dev)
+        self._free_device_now(dev)
         self._stats.device_evictions += 1
         self._stats.device_evicted_tokens += dev.numel()
         return int(dev.numel())
@@ -1033,10 +1052,10 @@ class TierCache(AsyncResource):
         for node in self.index.evict_host_candidates(num_tokens):
             host = node.host_indices
             assert host is not None
-            if ctl.ack_busy("host", host):
+            if ctl.ledger.host.leased(self._pages(host)):
                 continue
             self.index.remove(node)
-            ctl.free_host(host)
+            ctl.ledger.host.free(self._pages(host))
             freed += host.numel()
             self._stats.host_evictions += 1
             self._stats.host_evicted_tokens += host.numel()
@@ -1114,8 +1133,9 @@ class TierCache(AsyncResource):
         result = self.index.insert(toks[:n], dev, extra_key, checked=True, chain=chain)
         self._free_duplicates(ctl, dev[: result.prefix_len], same, ready_ev)
         self._set_index_pages(dev[result.prefix_len :], True)
-        if owner is not None and owner.numel():
-            self._request_pages[self._pages(owner)] = False
+        # The producer of the new KV travels with its pages: a write of them
+        # (write-through now, a write-back at eviction later) waits for it.
+        ctl.ledger.device.set_producer(self._pages(dev[result.prefix_len :]), ready_ev)
         self._stats.tokens_inserted += n - result.prefix_len
         node = result.node
         if node is not None and self.config.write_policy == "write_through":
@@ -1185,22 +1205,23 @@ class TierCache(AsyncResource):
         if not fresh.numel():
             return same
         pages = self._pages(fresh)
-        if not ctl.device_allocator.pages_allocated(pages):
+        books = ctl.ledger.device
+        if not books.allocated(pages):
             raise InvalidInputError(
                 "device_indices include slots that are not allocated (use alloc_device)"
             )
-        if bool(self._index_pages[pages].any()):
+        if books.owned(pages, Owner.INDEX):
             raise InvalidInputError(
                 "device_indices include slots that hold other cached KV of the index"
             )
-        held = self._request_pages[pages]
+        others = pages
         if owner is not None and owner.numel():
-            held &= ~np.isin(pages, self._pages(owner))
-        if bool(held.any()):
+            others = pages[~np.isin(pages, self._pages(owner))]
+        if books.owned(others, Owner.REQUEST):
             raise InvalidInputError(
                 "device_indices include slots an open request owns (commit them through it)"
             )
-        if ctl.ack_busy("device", fresh):
+        if books.leased(pages):
             raise InvalidInputError("device_indices include slots with a copy in flight")
         return same
 
@@ -1215,7 +1236,8 @@ class TierCache(AsyncResource):
         if bool(differ.any()):
             # The producer may still be writing them: the next load waits
             # (``ready``), and the controller's settle callbacks wake the waiters.
-            ctl.free_device(dup.view(-1, ps)[differ].reshape(-1), ready=ready, checked=True)
+            pages = self._pages(dup.view(-1, ps)[differ].reshape(-1))
+            ctl.ledger.device.free(pages, fence=ctl.ready_event(ready, "insert"))
 
     async def _wait_loads_under(
         self, toks: list[int], extra_key: str | None, dev: torch.Tensor
@@ -1328,7 +1350,7 @@ class TierCache(AsyncResource):
             return
         self._notify_room()  # host room may have freed (or become evictable)
         if ack.failed():
-            ctl.host_allocator.free(ack.host_indices)
+            ctl.ledger.host.free(self._pages(ack.host_indices))
             return
         if ctl.storage_attached:
             for n in nodes:
@@ -1567,9 +1589,11 @@ class TierCache(AsyncResource):
             ctl = self._controller
             if ctl is None or self.state is not CacheState.OPEN:
                 return
+            # Attention over the layers that landed may still be queued on
+            # the compute stream: the next fill of these slots waits for it.
+            fence = ctl.ready_event(None, "free_device")
             for dev in slots:
-                ctl.device_allocator.free(dev, checked=True)
-            self._notify_room()
+                ctl.ledger.device.free(self._pages(dev), fence=fence)
 
         if ack.done():
             free()
@@ -1700,7 +1724,7 @@ class TierCache(AsyncResource):
             op = ctl.prefetch(request_id, host, wanted, match.index.prior_hash)
         finally:
             if op is None:  # nothing started (or refused): give back what was taken for it
-                ctl.host_allocator.free(host)
+                ctl.ledger.host.free(self._pages(host))
                 if not parent.is_root:
                     self.index.unpin_host(parent)
                 self._notify_room()
@@ -1743,7 +1767,8 @@ class TierCache(AsyncResource):
             if not parent.is_root:
                 self.index.unlock(parent)
                 self._notify_room()
-        return ctl.host_allocator.alloc(num_tokens) if room else None
+        got = ctl.ledger.host.alloc(num_tokens) if room else None
+        return None if got is None else got[0]
 
     async def _settle_prefetch(
         self,
@@ -1772,14 +1797,13 @@ class TierCache(AsyncResource):
             return 0, 0
         got = op.host_indices[:done]
         if self.state is not CacheState.OPEN or (parent.parent is None and not parent.is_root):
-            ctl.host_allocator.free(got)  # closing, or the parent was dropped meanwhile
+            ctl.ledger.host.free(self._pages(got))  # closing, or the parent was dropped meanwhile
             return 0, 0
         res = self.index.insert_host(
             toks[:done], got, parent=parent, extra_key=extra_key, page_hashes=hashes, checked=True
         )
         if res.prefix_len:
-            ctl.host_allocator.free(got[: res.prefix_len])
-            self._notify_room()
+            ctl.ledger.host.free(self._pages(got[: res.prefix_len]))
         if res.node is not None:
             self.index.mark_backed_up(res.node)
         # Pages another request cached meanwhile are hits where that request put them.
@@ -1935,8 +1959,6 @@ class TierCache(AsyncResource):
         await ctl.reset()
         self._flushes += 1
         self.index.reset()
-        self._index_pages[:] = False
-        self._request_pages[:] = False
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters, including the controller's and the storage tier's."""
@@ -2001,7 +2023,6 @@ class Request:
         self.loads = loads
         self.load = loads[0] if loads else None
         self._node = node
-        self._owned: list[torch.Tensor] = []
         # The slots of the last page `alloc` took that it has not returned yet.
         self._spare = torch.empty(0, dtype=torch.int64)
         self._committed = False
@@ -2070,10 +2091,8 @@ class Request:
         if more <= 0:
             self._spare = self._spare[n:]
             return spare
-        own = sum(int(t.numel()) for t in self._owned)
-        slots = await self.cache._alloc_device(-(-more // ps) * ps, own=own)
-        self._owned.append(slots)
-        self.cache._request_pages[self.cache._pages(slots)] = True
+        own = self._held().size * ps
+        slots = await self.cache._alloc_device(-(-more // ps) * ps, own=own, request=self)
         self._spare = slots[more:]
         return torch.cat([spare, slots[:more]])
 
@@ -2132,9 +2151,8 @@ class Request:
             raise InvalidInputError("device_indices must start with the request's prefix_indices")
         ps = cache.layout.page_size
         n = len(toks) // ps * ps
-        own = torch.cat(self._owned) if self._owned else torch.empty(0, dtype=torch.int64)
         new = slots[self.cached_tokens : n]
-        if new.numel() and not _isin(new, own).all():
+        if new.numel() and not np.isin(cache._pages(new), self._held()).all():
             raise InvalidInputError("new tokens' slots must come from this request's alloc")
         self._committing = True
         try:
@@ -2153,8 +2171,11 @@ class Request:
         finally:
             self._committing = False
         self._committed = True
-        self._owned = [own[torch.from_numpy(~_isin(own, new))]] if own.numel() else []
         return dup
+
+    def _held(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The device pages this request holds (from `alloc`, not yet committed)."""
+        return self.cache.controller.ledger.device.request_pages(self)
 
     async def _release(self) -> None:
         """Unlock the prefix and free the slots not committed (no await: cancel-safe)."""
@@ -2169,9 +2190,5 @@ class Request:
         except StateError:
             pass
         ctl = cache.controller
-        for slots in self._owned:
-            if slots.numel():
-                cache._request_pages[cache._pages(slots)] = False
-                ctl.free_device(slots)
-        self._owned = []
-        cache._notify_room()
+        # Behind a fence on the compute stream: the forward pass may still read them.
+        ctl.ledger.device.free_request(self, fence=ctl.ready_event(None, "free_device"))
