@@ -79,7 +79,7 @@ from tiercache.errors import (
 )
 from tiercache.index.hashing import INLINE_HASH_PAGES, page_hashes
 from tiercache.index.radix import MatchResult, Node, RadixIndex, extra_key_prior
-from tiercache.ledger import Owner
+from tiercache.ledger import Lease, Owner
 from tiercache.memory.allocator import PageAllocator, check_slot_indices, page_ids
 from tiercache.memory.pools import DeviceKVPool, HostKVPool, resolve_device
 from tiercache.storage.base import StorageBackend
@@ -542,7 +542,7 @@ class TierCache(AsyncResource):
     def _match(self, toks: list[int], extra_key: str | None) -> CacheMatch:
         """`match_prefix` of checked tokens and ``extra_key``."""
         ctl = self._check()
-        m = self.index.match_prefix(toks, extra_key, checked=True)
+        m = self._landed(self.index.match_prefix(toks, extra_key, checked=True))
         ps = self.layout.page_size
         rest = (len(toks) - m.matched_length) // ps * ps
         if self.config.write_policy == "write_through_selective":
@@ -550,6 +550,34 @@ class TierCache(AsyncResource):
                 if n.hit_count >= self.config.write_through_threshold and not n.on_host:
                     self._write_node(ctl, n, defer=True)
         return CacheMatch(m.device_indices, m.device_length, m.host_hit_length, rest, m, extra_key)
+
+    def _landed(self, m: MatchResult) -> MatchResult:
+        """``m`` with its device part ending where a load back still in flight begins.
+
+        Slots whose bytes have not landed are never reported as on the
+        device: the nodes they hold count as host hits (they are on the
+        host), and `load_back` of the match hands them out with the handle
+        of the load that fills them.
+        """
+        if not self._pending_loads or not m.device_length:
+            return m
+        books = self.controller.ledger.device
+        cut = 0
+        for node in self.index.path(m.last_device_node):
+            dev = node.device_indices
+            assert dev is not None
+            if books.leased(self._pages(dev[:1]), Lease.FILL):
+                assert node.parent is not None
+                return MatchResult(
+                    m.device_indices[:cut],
+                    node.parent,
+                    m.host_hit_length + m.device_length - cut,
+                    m.last_host_node if m.host_hit_length else m.last_device_node,
+                    m.last_node,
+                    m.prior_hash,
+                )
+            cut += node.num_tokens
+        return m
 
     @staticmethod
     def _tokens(tokens: Sequence[int] | torch.Tensor) -> list[int]:
@@ -1442,7 +1470,8 @@ class TierCache(AsyncResource):
     async def _load_back(
         self, match: CacheMatch, own: int, *, fresh: bool = False
     ) -> tuple[torch.Tensor, LoadHandle | None]:
-        """`load_back`; ``fresh``: ``match`` was taken with no await since (nothing to check)."""
+        """`load_back`; ``fresh``: ``match`` was taken with no await since (nothing to check),
+        by `request`, which collects the handles of every load under the prefix itself."""
         ctl = self._check()
         self._check_match(match)
         if match.host_tokens == 0:
@@ -1464,15 +1493,53 @@ class TierCache(AsyncResource):
             self.index.unlock(target)
             self._notify_room()
             raise
-        full = self.index.match_prefix(
-            self.index.prefix_tokens(target), match.extra_key, touch=False, checked=True
-        )
         if ack is None:
             self.index.unlock(target)
             self._notify_room()
-            return full.device_indices, None
-        self._stats.loads_back += 1
-        return full.device_indices, handle
+        else:
+            self._stats.loads_back += 1
+        if fresh:  # `request`: it collects every load its prefix waits on itself
+            full = self.index.match_prefix(
+                self.index.prefix_tokens(target), match.extra_key, touch=False, checked=True
+            )
+            return full.device_indices, handle
+        return await self._with_loads(target, match.extra_key, handle)
+
+    async def _with_loads(
+        self, target: Node, extra_key: str | None, handle: LoadHandle | None
+    ) -> tuple[torch.Tensor, LoadHandle | None]:
+        """The device slots of the prefix down to ``target``, and the handle their bytes wait on.
+
+        ``handle`` is this call's own load, if it started one. Slots that
+        other loads still fill are only handed out with a handle that
+        covers them: with no load of its own and one other in flight, that
+        load's handle; with more, the call waits for all but the last
+        (its own comes last).
+
+        Raises:
+            StateError: a load this prefix waited for failed (its nodes went
+                back to the host tier): match again.
+        """
+        while True:
+            prefix = self.index.match_prefix(
+                self.index.prefix_tokens(target), extra_key, touch=False, checked=True
+            ).device_indices
+            others = [
+                p.handle
+                for p in self._pending_loads.values()
+                if p.handle is not handle and _overlap(p.device_indices, prefix)
+            ]
+            if not others or (handle is None and len(others) == 1):
+                return prefix, handle if handle is not None else (others[0] if others else None)
+            wait = others if handle is not None else others[:-1]
+            for h in wait:
+                try:
+                    await h
+                except Exception as e:
+                    raise StateError(
+                        f"the load back of this prefix failed ({e!r}): match again"
+                    ) from e
+            self._check()
 
     def _check_match(self, match: CacheMatch) -> None:
         """Check that ``match`` is a `CacheMatch` of this cache.
