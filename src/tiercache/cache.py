@@ -510,6 +510,21 @@ class TierCache(AsyncResource):
         self.tasks.raise_failure()
         return ctl
 
+    def use_compute_stream(self, stream: torch.cuda.Stream | None) -> None:
+        """Name the stream the engine's forward pass (attention) runs on (CUDA).
+
+        The copies the cache starts on its own (write-backs at eviction,
+        write-through, loads back) and the slots it frees (evictions, a
+        request's end, a failed load) are then ordered after the work queued
+        on that stream when they happen, not after the loop thread's current
+        stream. ``None`` goes back to the calling thread's current stream.
+        See `TierController.use_compute_stream`.
+
+        Raises:
+            InvalidInputError: not a CUDA stream of the device pool's device.
+        """
+        self._check().use_compute_stream(stream)
+
     # -- storage ----------------------------------------------------------------
 
     async def attach_storage(self, backend: StorageBackend | str, **options: Any) -> StorageBackend:
