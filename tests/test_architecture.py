@@ -51,7 +51,7 @@ KNOWN_PRIVATE_ACCESS: frozenset[tuple[str, str]] = frozenset()
 #: when listed. A listed class may only shrink; once under its limit it must
 #: leave the list.
 KNOWN_OVERSIZE: dict[tuple[str, str], int] = {
-    ("tiercache/cache.py", "TierCache"): 1777,
+    ("tiercache/cache.py", "TierCache"): 1636,
     ("tiercache/controller.py", "TierController"): 1368,
 }
 
@@ -440,6 +440,7 @@ SIZED_MODULES = (
     "tiercache.controller",
     "tiercache.storage_tier",
     "tiercache.ledger",
+    "tiercache.loads",
     "tiercache.request",
     "tiercache.room",
     "tiercache.evictor",

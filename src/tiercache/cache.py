@@ -79,7 +79,8 @@ from tiercache.errors import (
 )
 from tiercache.index.hashing import INLINE_HASH_PAGES, page_hashes
 from tiercache.index.radix import MatchResult, Node, RadixIndex, extra_key_prior
-from tiercache.ledger import Lease, Owner
+from tiercache.ledger import Owner
+from tiercache.loads import LoadBacks
 from tiercache.memory.allocator import PageAllocator, check_slot_indices, page_ids
 from tiercache.memory.pools import DeviceKVPool, HostKVPool, resolve_device
 from tiercache.storage.base import StorageBackend
@@ -90,28 +91,6 @@ __all__ = ["CacheMatch", "CacheState", "CacheStats", "Request", "TierCache"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-# -- controller seams ---------------------------------------------------------
-# Each helper below is the one place the facade uses a controller verb that is
-# moving to a public name; the rest of the module calls these helpers only.
-
-
-def _isin(slots: torch.Tensor, among: torch.Tensor) -> np.ndarray[Any, np.dtype[np.bool_]]:
-    """Which of ``slots`` are in ``among`` (CPU int64 slot tensors).
-
-    numpy's table lookup, not `torch.isin` (which sorts): 0.6 ms for the
-    slots of a 128k-token prompt, where torch takes 24 on the loop.
-    """
-    a, b = slots.numpy(), among.numpy()
-    if not a.size or not b.size:
-        return np.zeros(a.size, dtype=np.bool_)
-    return np.isin(a, b, kind="table")
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether CPU int64 slot tensors ``a`` and ``b`` share a slot."""
-    return bool(_isin(a, b).any())
 
 
 def _nothing() -> None:
@@ -204,17 +183,6 @@ class _EvictionPass:
     #: Nodes that can neither leave nor be dropped (their write back failed,
     #: and host-only children or a pin need them): the next pass looks past them.
     stuck: set[int] = field(default_factory=set)
-
-
-@dataclass(slots=True)
-class _PendingLoad:
-    """A load back in flight: its handle, the slots it fills, slots to free when it settles."""
-
-    handle: LoadHandle
-    device_indices: torch.Tensor
-    anchor: Node
-    target: Node
-    orphans: list[torch.Tensor] = field(default_factory=list)
 
 
 class CacheState(enum.Enum):
@@ -350,7 +318,7 @@ class TierCache(AsyncResource):
         # (freed when it settles). A request whose prefix shares those slots
         # waits for them too (the index already shows the nodes as
         # device-resident while the bytes are landing).
-        self._pending_loads: dict[CopyAck, _PendingLoad] = {}
+        self._pending_loads: LoadBacks | None = None  # made at open
         # Who owns each page (the index, a request, a caller) lives in the
         # controller's `Ledger`: `insert` refuses pages the index or another
         # request owns, and a failed load frees what nobody owns.
@@ -449,6 +417,9 @@ class TierCache(AsyncResource):
             await ctl.aclose()
             raise
         self._controller = ctl
+        self._pending_loads = LoadBacks(
+            self.index, ctl, lambda: self.state is CacheState.OPEN, self._notify_room
+        )
         self._forget_settle = ctl.add_settle_callback(self._notify_room)
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
@@ -478,6 +449,7 @@ class TierCache(AsyncResource):
             # It refers to this cache (its callback): drop it, or the cache and
             # its pools would wait for the garbage collector.
             self._forget_settle = _nothing
+            self._pending_loads = None  # it refers back to the cache: no cycle left behind
             try:
                 await ctl.aclose()
             finally:
@@ -506,7 +478,7 @@ class TierCache(AsyncResource):
         ctl = self.controller
         check_on_loop(self._loop, self._thread, "TierCache")
         if self._pending_loads:
-            self._settle_loads()
+            self._pending_loads.settle_finished()
         self.tasks.raise_failure()
         return ctl
 
@@ -524,6 +496,11 @@ class TierCache(AsyncResource):
             InvalidInputError: not a CUDA stream of the device pool's device.
         """
         self._check().use_compute_stream(stream)
+
+    def _check_loads(self) -> None:
+        """Settle the loads back whose copy has ended (`Request.wait_loaded` after a failure)."""
+        if self._pending_loads:
+            self._pending_loads.settle_finished()
 
     # -- storage ----------------------------------------------------------------
 
@@ -557,7 +534,8 @@ class TierCache(AsyncResource):
     def _match(self, toks: list[int], extra_key: str | None) -> CacheMatch:
         """`match_prefix` of checked tokens and ``extra_key``."""
         ctl = self._check()
-        m = self._landed(self.index.match_prefix(toks, extra_key, checked=True))
+        assert self._pending_loads is not None
+        m = self._pending_loads.landed(self.index.match_prefix(toks, extra_key, checked=True))
         ps = self.layout.page_size
         rest = (len(toks) - m.matched_length) // ps * ps
         if self.config.write_policy == "write_through_selective":
@@ -565,34 +543,6 @@ class TierCache(AsyncResource):
                 if n.hit_count >= self.config.write_through_threshold and not n.on_host:
                     self._write_node(ctl, n, defer=True)
         return CacheMatch(m.device_indices, m.device_length, m.host_hit_length, rest, m, extra_key)
-
-    def _landed(self, m: MatchResult) -> MatchResult:
-        """``m`` with its device part ending where a load back still in flight begins.
-
-        Slots whose bytes have not landed are never reported as on the
-        device: the nodes they hold count as host hits (they are on the
-        host), and `load_back` of the match hands them out with the handle
-        of the load that fills them.
-        """
-        if not self._pending_loads or not m.device_length:
-            return m
-        books = self.controller.ledger.device
-        cut = 0
-        for node in self.index.path(m.last_device_node):
-            dev = node.device_indices
-            assert dev is not None
-            if books.leased(self._pages(dev[:1]), Lease.FILL):
-                assert node.parent is not None
-                return MatchResult(
-                    m.device_indices[:cut],
-                    node.parent,
-                    m.host_hit_length + m.device_length - cut,
-                    m.last_host_node if m.host_hit_length else m.last_device_node,
-                    m.last_node,
-                    m.prior_hash,
-                )
-            cut += node.num_tokens
-        return m
 
     @staticmethod
     def _tokens(tokens: Sequence[int] | torch.Tensor) -> list[int]:
@@ -1305,11 +1255,8 @@ class TierCache(AsyncResource):
             cached = self.index.match_prefix(
                 toks, extra_key, touch=False, checked=True
             ).device_indices
-            pending = []
-            for p in self._pending_loads.values():
-                mine = _overlap(p.device_indices, dev)
-                if mine or _overlap(p.device_indices, cached):
-                    pending.append((p.handle, mine))
+            assert self._pending_loads is not None
+            pending = self._pending_loads.under(cached, dev)
             if not pending:
                 return cached
             for handle, mine in pending:
@@ -1487,7 +1434,7 @@ class TierCache(AsyncResource):
     ) -> tuple[torch.Tensor, LoadHandle | None]:
         """`load_back`; ``fresh``: ``match`` was taken with no await since (nothing to check),
         by `request`, which collects the handles of every load under the prefix itself."""
-        ctl = self._check()
+        self._check()
         self._check_match(match)
         if match.host_tokens == 0:
             if not fresh:
@@ -1503,7 +1450,9 @@ class TierCache(AsyncResource):
             return sum(n.num_tokens for n in self.index.load_path(target))
 
         try:
-            ack, handle = await self._take_room(need, lambda: self._start_load(ctl, target), own)
+            assert self._pending_loads is not None
+            start = self._pending_loads.start
+            ack, handle = await self._take_room(need, lambda: start(target), own)
         except BaseException:
             self.index.unlock(target)
             self._notify_room()
@@ -1539,11 +1488,8 @@ class TierCache(AsyncResource):
             prefix = self.index.match_prefix(
                 self.index.prefix_tokens(target), extra_key, touch=False, checked=True
             ).device_indices
-            others = [
-                p.handle
-                for p in self._pending_loads.values()
-                if p.handle is not handle and _overlap(p.device_indices, prefix)
-            ]
+            assert self._pending_loads is not None
+            others = self._pending_loads.over(prefix, but=handle)
             if not others or (handle is None and len(others) == 1):
                 return prefix, handle if handle is not None else (others[0] if others else None)
             wait = others if handle is not None else others[:-1]
@@ -1604,123 +1550,6 @@ class TierCache(AsyncResource):
             raise StateError("the index changed since this match: match again") from e
         if not torch.equal(now, match.device_indices):
             raise StateError("the index changed since this match: match again")
-
-    def _start_load(
-        self, ctl: TierController, target: Node
-    ) -> tuple[CopyAck, LoadHandle] | tuple[None, None] | None:
-        """Start loading the host-only path down to ``target`` (synchronous: no await).
-
-        Returns:
-            The load's ack and handle; ``(None, None)`` when a concurrent call
-            loaded the path meanwhile; ``None`` when the device is full.
-        """
-        path = self.index.load_path(target)
-        if not path:  # loaded by a concurrent call meanwhile
-            return None, None
-        host = torch.cat([n.host_indices for n in path if n.host_indices is not None])
-        ack = ctl.submit_load(host, node_id=target.id, track=False)
-        if ack is None:
-            return None
-        handle = ctl.start_loading()
-        assert handle is not None
-        anchor = path[0].parent
-        assert anchor is not None
-        self.index.attach_device(target, ack.device_indices)
-        self._set_index_pages(ack.device_indices, True)
-        self._pending_loads[ack] = _PendingLoad(handle, ack.device_indices, anchor, target)
-        # On the handle, not the ack: its callbacks run before any awaiter of
-        # the handle (or of a later request) sees the load end, so the
-        # rollback of a failed load is done by then.
-        handle.add_done_callback(lambda _h: self._settle_loads())
-        return ack, handle
-
-    def _settle_loads(self) -> None:
-        """Settle every load back whose copy has ended: roll back a failed one, free orphans, unlock.
-
-        Runs from the handle's completion callback and at the start of every
-        public call (`_check`): a copy that ran inline on the loop ends
-        before any callback runs, and its caller may see the failure first.
-        """
-        if self._controller is None or self.state is not CacheState.OPEN:
-            return
-        for ack, pending in list(self._pending_loads.items()):
-            handle = pending.handle
-            if not handle.done():
-                continue
-            del self._pending_loads[ack]
-            # A copy run inline may have failed before its ack is resolved.
-            if handle.layers.error is not None or (ack.done() and ack.failed()):
-                self._rollback_load(pending)
-            self._free_when_settled(ack, pending.orphans)
-            try:
-                self.index.unlock(pending.target)
-            except StateError:
-                pass
-            self._notify_room()
-
-    def _free_when_settled(self, ack: CopyAck, slots: list[torch.Tensor]) -> None:
-        """Free ``slots`` once ``ack``'s copy is settled in the controller's books.
-
-        A copy run inline on the loop has ended before its ack is resolved
-        (its pages still count as busy until then): the free waits for that.
-        """
-        if not slots:
-            return
-
-        def free(_a: object = None) -> None:
-            ctl = self._controller
-            if ctl is None or self.state is not CacheState.OPEN:
-                return
-            # Attention over the layers that landed may still be queued on
-            # the compute stream: the next fill of these slots waits for it.
-            fence = ctl.ready_event(None, "free_device")
-            for dev in slots:
-                ctl.ledger.device.free(self._pages(dev), fence=fence)
-
-        if ack.done():
-            free()
-        else:
-            ack.add_done_callback(free)
-
-    def _rollback_load(self, failed: _PendingLoad) -> None:
-        """Take from the index every node that claims slots of the failed load, and what hangs under it.
-
-        Slots that a load still in flight writes are freed when it settles;
-        the rest when the failed copy is settled (see `_free_when_settled`).
-        """
-        ps = self.layout.page_size
-        bad = set(self._pages(failed.device_indices).tolist())
-        anchor = failed.anchor
-        try:
-            self.index.path(anchor)
-        except StateError:
-            return
-        roots: list[Node] = []
-        stack = list(anchor.children.values())
-        while stack:
-            n = stack.pop()
-            if n.device_indices is None:
-                continue
-            if int(n.device_indices[0]) // ps in bad:
-                roots.append(n)
-            else:
-                stack.extend(n.children.values())
-        for n in roots:
-            for dev in self.index.detach_failed_load(n):
-                self._set_index_pages(dev, False)
-                owner = next(
-                    (
-                        p
-                        for p in self._pending_loads.values()
-                        if _overlap(dev[:1], p.device_indices)
-                    ),
-                    None,
-                )
-                (owner or failed).orphans.append(dev)
-        logger.warning(
-            "a load back of %d tokens failed: its nodes are host-only again",
-            failed.device_indices.numel(),
-        )
 
     async def prefetch(
         self,
@@ -1982,10 +1811,8 @@ class TierCache(AsyncResource):
         ).last_device_node
         self.index.lock(node)
         loads = [handle] if handle is not None else []
-        if prefix.numel():
-            for p in self._pending_loads.values():
-                if p.handle not in loads and _overlap(p.device_indices, prefix):
-                    loads.append(p.handle)
+        assert self._pending_loads is not None
+        loads += [h for h in self._pending_loads.over(prefix) if h is not handle]
         self._stats.requests += 1
         self._stats.tokens_requested += len(toks)
         # The prefix: what was on the device when it matched, what its own
@@ -2142,7 +1969,7 @@ class Request:
             try:
                 await h
             except BaseException:
-                self.cache._settle_loads()
+                self.cache._check_loads()
                 raise
 
     async def alloc(self, num_tokens: int) -> torch.Tensor:
