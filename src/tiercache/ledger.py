@@ -126,6 +126,7 @@ class PoolLedger:
         n = self.num_pages
         self._owner = np.zeros(n, dtype=np.int8)
         self._leases = np.zeros((3, n), dtype=np.int32)
+        self._busy = np.zeros(n, dtype=np.int32)  # every lease of a page, summed
         self._spoiled = np.zeros(n, dtype=np.bool_)
         self._readers = np.full(n, None, dtype=object)
         self._producers = np.full(n, None, dtype=object)
@@ -138,6 +139,11 @@ class PoolLedger:
         self._holder = np.zeros(n, dtype=np.int64)
         self._next_request = 1
         self._counts = [0, 0, 0, 0]  # pages per owner, FREE unused
+        # Whether any page may be spoiled, or hold a reader or producer fence:
+        # the common case (none, and never any on a CPU pool) skips the arrays.
+        self._any_spoiled = False
+        self._any_readers = False
+        self._any_producers = False
 
     # -- reading --------------------------------------------------------------
 
@@ -176,14 +182,14 @@ class PoolLedger:
 
     def leased(self, pages: Pages, kind: Lease | None = None) -> bool:
         """Whether a lease (of ``kind``, or of any kind) is held on any of ``pages``."""
-        leases = self._leases if kind is None else self._leases[kind]
+        counts = self._busy if kind is None else self._leases[kind]
         if pages.size > _SMALL:
-            return bool(leases[..., pages].any())
-        return any(bool(leases[..., p].any()) for p in pages.tolist())
+            return bool(counts[pages].any())
+        return any(counts[p] for p in pages.tolist())
 
     def spoiled(self, pages: Pages) -> bool:
         """Whether a failed copy left any of ``pages`` without the KV it was to hold."""
-        return bool(self._spoiled[pages].any())
+        return self._any_spoiled and bool(self._spoiled[pages].any())
 
     # -- owners -----------------------------------------------------------------
 
@@ -215,11 +221,17 @@ class PoolLedger:
     def _set_owner(self, pages: Pages, owner: Owner) -> None:
         if not pages.size:
             return
-        old = self._owner[pages]
-        for o in (Owner.CALLER, Owner.REQUEST, Owner.INDEX):
-            self._counts[o] -= int(np.count_nonzero(old == o))
-        self._owner[pages] = owner
-        self._counts[owner] += int(pages.size) if owner else 0
+        counts, owners = self._counts, self._owner
+        if pages.size > _SMALL:
+            for o, k in enumerate(np.bincount(owners[pages], minlength=4).tolist()):
+                counts[o] -= k
+            owners[pages] = owner
+        else:
+            for p in pages.tolist():
+                counts[owners[p]] -= 1
+                owners[p] = owner
+        counts[owner] += int(pages.size)
+        counts[Owner.FREE] = 0
 
     def free(self, pages: Pages, *, fence: object = None) -> None:
         """Free ``pages``: refused while a lease holds one, checked before anything changes.
@@ -241,8 +253,10 @@ class PoolLedger:
             )
         self._allocator.free_pages(pages)  # refuses a double free before it changes anything
         self._set_owner(pages, Owner.FREE)
-        self._spoiled[pages] = False
-        self._producers[pages] = None
+        if self._any_spoiled:
+            self._spoiled[pages] = False
+        if self._any_producers:
+            self._producers[pages] = None
         if fence is not None:
             self.add_fence(pages, fence)
         self._released()
@@ -252,12 +266,14 @@ class PoolLedger:
         self._allocator.reset()
         self._owner[:] = Owner.FREE
         self._leases[:] = 0
+        self._busy[:] = 0
         self._spoiled[:] = False
         self._readers[:] = None
         self._producers[:] = None
         self._loose = []
         self._requests.clear()
         self._counts = [0, 0, 0, 0]
+        self._any_spoiled = self._any_readers = self._any_producers = False
         self._released()
 
     # -- requests ---------------------------------------------------------------
@@ -295,22 +311,26 @@ class PoolLedger:
 
     def lease(self, pages: Pages, kind: Lease) -> None:
         """Take a lease of ``kind`` on ``pages`` (end it with `end_lease`)."""
-        row = self._leases[kind]
+        row, busy = self._leases[kind], self._busy
         if pages.size > _SMALL:
             row[pages] += 1
+            busy[pages] += 1
         else:
             for p in pages.tolist():
                 row[p] += 1
+                busy[p] += 1
 
     def end_lease(self, pages: Pages, kind: Lease, *, wake: bool = True) -> None:
         """End a lease `lease` took; wakes the release listeners unless ``wake`` is false
         (a caller ending several at once wakes them once, with `released`)."""
-        row = self._leases[kind]
+        row, busy = self._leases[kind], self._busy
         if pages.size > _SMALL:
             row[pages] -= 1
+            busy[pages] -= 1
         else:
             for p in pages.tolist():
                 row[p] -= 1
+                busy[p] -= 1
         if wake:
             self._released()
 
@@ -323,11 +343,16 @@ class PoolLedger:
     def spoil(self, pages: Pages) -> None:
         """A copy into ``pages`` failed: they hold no KV until refilled or freed."""
         self._spoiled[pages] = True
+        self._any_spoiled = True
 
     def filled(self, pages: Pages, producer: object = None) -> None:
         """A copy into ``pages`` landed (``producer``: the event it landed at, on CUDA)."""
-        self._spoiled[pages] = False
-        self._producers[pages] = producer
+        if self._any_spoiled:
+            self._spoiled[pages] = False
+        if producer is not None:
+            self.set_producer(pages, producer)
+        elif self._any_producers:
+            self._producers[pages] = None
 
     def add_fence(self, pages: Pages | None, fence: object) -> None:
         """Order the next fill of ``pages`` (``None``: of every page) after ``fence``."""
@@ -339,6 +364,7 @@ class PoolLedger:
         readers = self._readers
         for p in pages.tolist():
             readers[p] = _merge(readers[p], fence)
+        self._any_readers = True
 
     def take_fences(self, pages: Pages) -> list[Any]:
         """The reader fences a fill of ``pages`` must wait for; they leave the ledger.
@@ -346,6 +372,11 @@ class PoolLedger:
         A fill that fails before its stream waited for them gives them back
         with `add_fence` (the pages' next fill waits instead).
         """
+        if not self._any_readers:
+            if not self._loose:
+                return []
+            taken, self._loose = live_fences(self._loose), []
+            return taken
         taken = live_fences((*self._readers[pages].tolist(), *self._loose))
         self._readers[pages] = None
         self._loose = []
@@ -358,14 +389,18 @@ class PoolLedger:
         prods = self._producers
         for p in pages.tolist():
             prods[p] = _merge(prods[p], producer)
+        self._any_producers = True
 
     def producers(self, pages: Pages) -> list[Any]:
         """The producer fences a copy out of ``pages`` must wait for."""
+        if not self._any_producers:
+            return []
         return live_fences(self._producers[pages].tolist())
 
     def copied_out(self, pages: Pages) -> None:
         """A copy out of ``pages`` landed: their producers are done, nothing waits for them again."""
-        self._producers[pages] = None
+        if self._any_producers:
+            self._producers[pages] = None
 
     def fence_count(self) -> int:
         """Fences held (reader and producer, loose ones included): bounded by what is queued."""
@@ -389,6 +424,12 @@ class PoolLedger:
             raise AssertionError(f"{self.name}: a page with an owner is not allocated")
         if (self._leases < 0).any():
             raise AssertionError(f"{self.name}: a negative lease count")
+        if not np.array_equal(self._leases.sum(axis=0), self._busy):
+            raise AssertionError(f"{self.name}: the lease total disagrees with the leases")
+        if (self._spoiled.any() and not self._any_spoiled) or (
+            (self._producers != None).any() and not self._any_producers  # noqa: E711
+        ):
+            raise AssertionError(f"{self.name}: a page flag is set but its summary is not")
         leased = np.flatnonzero((self._leases != 0).any(axis=0))
         if leased.size and not self._allocator.pages_allocated(leased):
             raise AssertionError(f"{self.name}: a lease on a page that is not allocated")
