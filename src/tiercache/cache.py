@@ -24,9 +24,11 @@ Three rules hold at every verb:
 
 - Arguments are checked before anything changes (`tiercache._checks`): a
   refused call leaves the index, the allocators and the request as they were.
-- The index never claims KV that did not land: the cache knows which device
-  pages the index holds, and a failed load back hands its nodes back to the
-  host tier and frees their slots once the copy has settled.
+- The index never claims KV that did not land: the controller's `Ledger` knows
+  who owns every page (the index, a request, a caller) and which a load still
+  fills; `match_prefix` reports those as not landed, and a failed load back
+  (`loads.LoadOp`) hands its nodes back to the host tier and frees their
+  slots once the copy has settled.
 - Room that others hold is waited for, not failed on. Device allocations,
   and host writes and prefetches that may wait, queue for room first come,
   first served (`_RoomQueue`, one per pool), up to ``config.alloc_timeout_s``.
@@ -247,9 +249,11 @@ class CacheMatch:
     """What `TierCache.match_prefix` found for a prompt.
 
     Attributes:
-        device_indices: device slots of the device-resident prefix.
+        device_indices: device slots of the device-resident prefix whose bytes have landed.
         device_tokens: its length.
-        host_tokens: tokens after it that are on the host only (`load_back` them).
+        host_tokens: tokens after it that are on the host only, or whose load
+            back is still in flight (`load_back` them: it returns the slots
+            with the handle of the load that fills them).
         storage_candidate_tokens: whole-page tokens after the device and host
             parts that a storage prefetch may still find.
         index: the index's raw result (nodes to lock, the prior hash).
@@ -1407,24 +1411,24 @@ class TierCache(AsyncResource):
     async def load_back(self, match: CacheMatch) -> tuple[torch.Tensor, LoadHandle | None]:
         """Load the host part of ``match`` into device slots, layer by layer.
 
-        Waits for device room as `alloc_device` does. When a concurrent call
-        loaded the same nodes meanwhile (before or while this one waits),
-        nothing is loaded twice: the prefix comes back at once with no handle
-        of its own (`request` waits on the other load). If the copy fails, the nodes go back to host-only and their
-        device slots are freed once the copy has settled: the index never
-        claims KV that did not land, and the next request loads it again.
+        Waits for device room as `alloc_device` does. Slots still loading are
+        only handed out with a handle that covers them: nothing is loaded
+        twice, a concurrent call's load lends its handle, and with several
+        loads under the prefix this call waits for all but the last. A failed
+        copy's nodes go back to host-only, its slots freed once it settled.
 
         Returns:
             ``(device_indices, handle)``: the slots of the whole matched prefix
             (device part + loaded part) and the `LoadHandle` whose layer
-            futures the forward pass waits on (``None`` when nothing was on
-            host only). The loaded nodes stay locked until the load completes.
+            futures the forward pass waits on (``None`` when every slot has
+            landed). The loaded nodes stay locked until the load completes.
 
         Raises:
             InvalidInputError: ``match`` is not a `CacheMatch`.
             StateError: the index changed since ``match`` (its nodes were
-                evicted or flushed): match again; or ``match`` comes from
-                another `TierCache`.
+                evicted or flushed): match again; ``match`` comes from
+                another `TierCache`; or a load of the prefix this call waited
+                for failed (match again).
             CapacityError: no device room for the host part (see `alloc_device`).
         """
         return await self._load_back(match, own=-1)
