@@ -24,6 +24,7 @@ import torch
 
 from tiercache import TierCache, TierCacheConfig
 from tiercache.errors import InvalidInputError, StateError
+from tiercache.ledger import Owner
 from tiercache.storage.faults import FaultKind, FaultPlan, FaultSpec, FaultyBackend
 from tiercache.storage.memory import MemoryBackend
 from tiercache.transfer.engine import CopyEngine
@@ -137,10 +138,11 @@ def check_accounting(cache: TierCache, c: Counters) -> None:
     cache.index.check_invariants()
     assert ctl.device_allocator.used == cache.index.total_device_tokens()
     assert ctl.host_allocator.used == cache.index.total_host_tokens()
-    assert int(cache._index_pages.sum()) * PS == cache.index.total_device_tokens()
+    ctl.ledger.check_invariants()
+    assert ctl.ledger.device.tokens_owned(Owner.INDEX) == cache.index.total_device_tokens()
     assert not any(n.lock_ref for n in cache.index.nodes())
     assert not cache._pending_loads
-    assert not cache._request_pages.any()
+    assert ctl.ledger.device.tokens_owned(Owner.REQUEST) == 0
     c.accounting_checks += 1
 
 

@@ -24,9 +24,11 @@ Three rules hold at every verb:
 
 - Arguments are checked before anything changes (`tiercache._checks`): a
   refused call leaves the index, the allocators and the request as they were.
-- The index never claims KV that did not land: the cache knows which device
-  pages the index holds, and a failed load back hands its nodes back to the
-  host tier and frees their slots once the copy has settled.
+- The index never claims KV that did not land: the controller's `Ledger` knows
+  who owns every page (the index, a request, a caller) and which a load still
+  fills; `match_prefix` reports those as not landed, and a failed load back
+  (`loads.LoadOp`) hands its nodes back to the host tier and frees their
+  slots once the copy has settled.
 - Room that others hold is waited for, not failed on. Device allocations,
   and host writes and prefetches that may wait, queue for room first come,
   first served (`_RoomQueue`, one per pool), up to ``config.alloc_timeout_s``.
@@ -79,6 +81,8 @@ from tiercache.errors import (
 )
 from tiercache.index.hashing import INLINE_HASH_PAGES, page_hashes
 from tiercache.index.radix import MatchResult, Node, RadixIndex, extra_key_prior
+from tiercache.ledger import Owner
+from tiercache.loads import LoadBacks
 from tiercache.memory.allocator import PageAllocator, check_slot_indices, page_ids
 from tiercache.memory.pools import DeviceKVPool, HostKVPool, resolve_device
 from tiercache.storage.base import StorageBackend
@@ -89,28 +93,6 @@ __all__ = ["CacheMatch", "CacheState", "CacheStats", "Request", "TierCache"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-# -- controller seams ---------------------------------------------------------
-# Each helper below is the one place the facade uses a controller verb that is
-# moving to a public name; the rest of the module calls these helpers only.
-
-
-def _isin(slots: torch.Tensor, among: torch.Tensor) -> np.ndarray[Any, np.dtype[np.bool_]]:
-    """Which of ``slots`` are in ``among`` (CPU int64 slot tensors).
-
-    numpy's table lookup, not `torch.isin` (which sorts): 0.6 ms for the
-    slots of a 128k-token prompt, where torch takes 24 on the loop.
-    """
-    a, b = slots.numpy(), among.numpy()
-    if not a.size or not b.size:
-        return np.zeros(a.size, dtype=np.bool_)
-    return np.isin(a, b, kind="table")
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether CPU int64 slot tensors ``a`` and ``b`` share a slot."""
-    return bool(_isin(a, b).any())
 
 
 def _nothing() -> None:
@@ -205,17 +187,6 @@ class _EvictionPass:
     stuck: set[int] = field(default_factory=set)
 
 
-@dataclass(slots=True)
-class _PendingLoad:
-    """A load back in flight: its handle, the slots it fills, slots to free when it settles."""
-
-    handle: LoadHandle
-    device_indices: torch.Tensor
-    anchor: Node
-    target: Node
-    orphans: list[torch.Tensor] = field(default_factory=list)
-
-
 class CacheState(enum.Enum):
     CREATED = "created"
     OPEN = "open"
@@ -278,9 +249,11 @@ class CacheMatch:
     """What `TierCache.match_prefix` found for a prompt.
 
     Attributes:
-        device_indices: device slots of the device-resident prefix.
+        device_indices: device slots of the device-resident prefix whose bytes have landed.
         device_tokens: its length.
-        host_tokens: tokens after it that are on the host only (`load_back` them).
+        host_tokens: tokens after it that are on the host only, or whose load
+            back is still in flight (`load_back` them: it returns the slots
+            with the handle of the load that fills them).
         storage_candidate_tokens: whole-page tokens after the device and host
             parts that a storage prefetch may still find.
         index: the index's raw result (nodes to lock, the prior hash).
@@ -349,13 +322,10 @@ class TierCache(AsyncResource):
         # (freed when it settles). A request whose prefix shares those slots
         # waits for them too (the index already shows the nodes as
         # device-resident while the bytes are landing).
-        self._pending_loads: dict[CopyAck, _PendingLoad] = {}
-        # Device pages some index node holds: `insert` refuses slots the
-        # index already owns, and a failed load frees what nobody owns.
-        self._index_pages = np.zeros(0, dtype=np.bool_)
-        # Device pages an open request got from `Request.alloc` and still
-        # owns: only that request may commit or free them.
-        self._request_pages = np.zeros(0, dtype=np.bool_)
+        self._pending_loads: LoadBacks | None = None  # made at open
+        # Who owns each page (the index, a request, a caller) lives in the
+        # controller's `Ledger`: `insert` refuses pages the index or another
+        # request owns, and a failed load frees what nobody owns.
         # Tasks waiting for device room and for host room (`_RoomQueue`);
         # `_notify_room` wakes both. Nodes whose write-through waits for host room.
         self._device_queue = _RoomQueue()
@@ -455,9 +425,10 @@ class TierCache(AsyncResource):
             await ctl.aclose()
             raise
         self._controller = ctl
+        self._pending_loads = LoadBacks(
+            self.index, ctl, lambda: self.state is CacheState.OPEN, self._notify_room
+        )
         self._forget_settle = ctl.add_settle_callback(self._notify_room)
-        self._index_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
-        self._request_pages = np.zeros(ctl.device_allocator.num_pages, dtype=np.bool_)
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
         self.state = CacheState.OPEN
@@ -486,6 +457,7 @@ class TierCache(AsyncResource):
             # It refers to this cache (its callback): drop it, or the cache and
             # its pools would wait for the garbage collector.
             self._forget_settle = _nothing
+            self._pending_loads = None  # it refers back to the cache: no cycle left behind
             try:
                 await ctl.aclose()
             finally:
@@ -514,9 +486,29 @@ class TierCache(AsyncResource):
         ctl = self.controller
         check_on_loop(self._loop, self._thread, "TierCache")
         if self._pending_loads:
-            self._settle_loads()
+            self._pending_loads.settle_finished()
         self.tasks.raise_failure()
         return ctl
+
+    def use_compute_stream(self, stream: torch.cuda.Stream | None) -> None:
+        """Name the stream the engine's forward pass (attention) runs on (CUDA).
+
+        The copies the cache starts on its own (write-backs at eviction,
+        write-through, loads back) and the slots it frees (evictions, a
+        request's end, a failed load) are then ordered after the work queued
+        on that stream when they happen, not after the loop thread's current
+        stream. ``None`` goes back to the calling thread's current stream.
+        See `TierController.use_compute_stream`.
+
+        Raises:
+            InvalidInputError: not a CUDA stream of the device pool's device.
+        """
+        self._check().use_compute_stream(stream)
+
+    def _check_loads(self) -> None:
+        """Settle the loads back whose copy has ended (`Request.wait_loaded` after a failure)."""
+        if self._pending_loads:
+            self._pending_loads.settle_finished()
 
     # -- storage ----------------------------------------------------------------
 
@@ -550,7 +542,8 @@ class TierCache(AsyncResource):
     def _match(self, toks: list[int], extra_key: str | None) -> CacheMatch:
         """`match_prefix` of checked tokens and ``extra_key``."""
         ctl = self._check()
-        m = self.index.match_prefix(toks, extra_key, checked=True)
+        assert self._pending_loads is not None
+        m = self._pending_loads.landed(self.index.match_prefix(toks, extra_key, checked=True))
         ps = self.layout.page_size
         rest = (len(toks) - m.matched_length) // ps * ps
         if self.config.write_policy == "write_through_selective":
@@ -621,13 +614,23 @@ class TierCache(AsyncResource):
         """
         return await self._alloc_device(num_tokens, own=-1)
 
-    async def _alloc_device(self, num_tokens: int, own: int) -> torch.Tensor:
+    async def _alloc_device(
+        self, num_tokens: int, own: int, request: object = None
+    ) -> torch.Tensor:
+        """`alloc_device`; with ``request``, the slots are that request's in the ledger."""
         ctl = self._check()
         n = check_count(num_tokens, "num_tokens", multiple_of=self.layout.page_size)
-        alloc = ctl.device_allocator
-        if n > alloc.num_slots:
-            raise CapacityError(f"{n} device slots asked: the pool holds {alloc.num_slots}")
-        return await self._take_room(lambda: n, lambda: alloc.alloc(n), own)
+        books = ctl.ledger.device
+        if n > books.num_slots:
+            raise CapacityError(f"{n} device slots asked: the pool holds {books.num_slots}")
+
+        def take() -> torch.Tensor | None:
+            if request is not None:
+                return books.grant(request, n)
+            got = books.alloc(n)
+            return None if got is None else got[0]
+
+        return await self._take_room(lambda: n, take, own)
 
     async def _take_room(
         self,
@@ -743,7 +746,7 @@ class TierCache(AsyncResource):
         """Device slots allocated that no index node holds: requests', callers' of
         `alloc_device` (or, with an engine's allocator, the engine's), copies'."""
         used = self.controller.device_allocator.used
-        return used - int(self._index_pages.sum()) * self.layout.page_size
+        return used - self.controller.ledger.device.tokens_owned(Owner.INDEX)
 
     def _notify_room(self) -> None:
         """Wake the tasks waiting for device or host room: room may have appeared.
@@ -776,22 +779,35 @@ class TierCache(AsyncResource):
             indices, self.layout.page_size, ctl.device_pool.num_slots, "indices"
         )
         pages = self._pages(dev)
-        if bool(self._index_pages[pages].any()):
+        books = ctl.ledger.device
+        if books.owned(pages, Owner.INDEX):
             raise InvalidInputError("free_device: some of these slots hold cached KV of the index")
-        if bool(self._request_pages[pages].any()):
+        if books.owned(pages, Owner.REQUEST):
             raise InvalidInputError(
                 "free_device: some of these slots belong to an open request (it frees them)"
             )
-        # The controller's settle callbacks (`_notify_room` among them) wake the waiters.
-        ctl.free_device(dev, ready=ready_ev, checked=True)
+        if books.leased(pages):
+            raise StateError("device slots with a copy in flight cannot be freed; await its ack")
+        # The ledger's release wakes the waiters for room.
+        books.free(pages, fence=ready_ev)
 
     def _pages(self, dev: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Page ids of page-aligned CPU slot indices."""
         return page_ids(dev, self.layout.page_size)
 
     def _set_index_pages(self, dev: torch.Tensor, held: bool) -> None:
+        """The index takes ``dev`` (``held``), or gives it up to the cache (which frees it)."""
         if dev.numel():
-            self._index_pages[self._pages(dev)] = held
+            self.controller.ledger.device.give(
+                self._pages(dev), Owner.INDEX if held else Owner.CALLER
+            )
+
+    def _free_device_now(self, dev: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        """Free device slots the cache holds, behind a fence on the engine's compute stream
+        (``ready``, or one recorded now: `TierController.use_compute_stream`)."""
+        ctl = self.controller
+        fence = ready if ready is not None else ctl.ready_event(None, "free_device")
+        ctl.ledger.device.free(self._pages(dev), fence=fence)
 
     async def evict_device(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots (fewer when the rest is locked), LRU leaves first.
@@ -923,7 +939,7 @@ class TierCache(AsyncResource):
         """Free the device copy of a node that has a host copy; returns slots freed."""
         dev = self.index.mark_device_evicted(node)
         self._set_index_pages(dev, False)
-        ctl.free_device(dev)
+        self._free_device_now(dev)
         self._stats.device_evictions += 1
         self._stats.device_evicted_tokens += dev.numel()
         return int(dev.numel())
@@ -936,7 +952,7 @@ class TierCache(AsyncResource):
         assert dev is not None
         self.index.remove(node)
         self._set_index_pages(dev, False)
-        ctl.free_device(dev)
+        self._free_device_now(dev)
         self._stats.device_evictions += 1
         self._stats.device_evicted_tokens += dev.numel()
         return int(dev.numel())
@@ -1037,10 +1053,10 @@ class TierCache(AsyncResource):
         for node in self.index.evict_host_candidates(num_tokens):
             host = node.host_indices
             assert host is not None
-            if ctl.ack_busy("host", host):
+            if ctl.ledger.host.leased(self._pages(host)):
                 continue
             self.index.remove(node)
-            ctl.free_host(host)
+            ctl.ledger.host.free(self._pages(host))
             freed += host.numel()
             self._stats.host_evictions += 1
             self._stats.host_evicted_tokens += host.numel()
@@ -1118,8 +1134,9 @@ class TierCache(AsyncResource):
         result = self.index.insert(toks[:n], dev, extra_key, checked=True, chain=chain)
         self._free_duplicates(ctl, dev[: result.prefix_len], same, ready_ev)
         self._set_index_pages(dev[result.prefix_len :], True)
-        if owner is not None and owner.numel():
-            self._request_pages[self._pages(owner)] = False
+        # The producer of the new KV travels with its pages: a write of them
+        # (write-through now, a write-back at eviction later) waits for it.
+        ctl.ledger.device.set_producer(self._pages(dev[result.prefix_len :]), ready_ev)
         self._stats.tokens_inserted += n - result.prefix_len
         node = result.node
         if node is not None and self.config.write_policy == "write_through":
@@ -1189,22 +1206,23 @@ class TierCache(AsyncResource):
         if not fresh.numel():
             return same
         pages = self._pages(fresh)
-        if not ctl.device_allocator.pages_allocated(pages):
+        books = ctl.ledger.device
+        if not books.allocated(pages):
             raise InvalidInputError(
                 "device_indices include slots that are not allocated (use alloc_device)"
             )
-        if bool(self._index_pages[pages].any()):
+        if books.owned(pages, Owner.INDEX):
             raise InvalidInputError(
                 "device_indices include slots that hold other cached KV of the index"
             )
-        held = self._request_pages[pages]
+        others = pages
         if owner is not None and owner.numel():
-            held &= ~np.isin(pages, self._pages(owner))
-        if bool(held.any()):
+            others = pages[~np.isin(pages, self._pages(owner))]
+        if books.owned(others, Owner.REQUEST):
             raise InvalidInputError(
                 "device_indices include slots an open request owns (commit them through it)"
             )
-        if ctl.ack_busy("device", fresh):
+        if books.leased(pages):
             raise InvalidInputError("device_indices include slots with a copy in flight")
         return same
 
@@ -1219,7 +1237,8 @@ class TierCache(AsyncResource):
         if bool(differ.any()):
             # The producer may still be writing them: the next load waits
             # (``ready``), and the controller's settle callbacks wake the waiters.
-            ctl.free_device(dup.view(-1, ps)[differ].reshape(-1), ready=ready, checked=True)
+            pages = self._pages(dup.view(-1, ps)[differ].reshape(-1))
+            ctl.ledger.device.free(pages, fence=ctl.ready_event(ready, "insert"))
 
     async def _wait_loads_under(
         self, toks: list[int], extra_key: str | None, dev: torch.Tensor
@@ -1244,11 +1263,8 @@ class TierCache(AsyncResource):
             cached = self.index.match_prefix(
                 toks, extra_key, touch=False, checked=True
             ).device_indices
-            pending = []
-            for p in self._pending_loads.values():
-                mine = _overlap(p.device_indices, dev)
-                if mine or _overlap(p.device_indices, cached):
-                    pending.append((p.handle, mine))
+            assert self._pending_loads is not None
+            pending = self._pending_loads.under(cached, dev)
             if not pending:
                 return cached
             for handle, mine in pending:
@@ -1332,7 +1348,7 @@ class TierCache(AsyncResource):
             return
         self._notify_room()  # host room may have freed (or become evictable)
         if ack.failed():
-            ctl.host_allocator.free(ack.host_indices)
+            ctl.ledger.host.free(self._pages(ack.host_indices))
             return
         if ctl.storage_attached:
             for n in nodes:
@@ -1399,24 +1415,24 @@ class TierCache(AsyncResource):
     async def load_back(self, match: CacheMatch) -> tuple[torch.Tensor, LoadHandle | None]:
         """Load the host part of ``match`` into device slots, layer by layer.
 
-        Waits for device room as `alloc_device` does. When a concurrent call
-        loaded the same nodes meanwhile (before or while this one waits),
-        nothing is loaded twice: the prefix comes back at once with no handle
-        of its own (`request` waits on the other load). If the copy fails, the nodes go back to host-only and their
-        device slots are freed once the copy has settled: the index never
-        claims KV that did not land, and the next request loads it again.
+        Waits for device room as `alloc_device` does. Slots still loading are
+        only handed out with a handle that covers them: nothing is loaded
+        twice, a concurrent call's load lends its handle, and with several
+        loads under the prefix this call waits for all but the last. A failed
+        copy's nodes go back to host-only, its slots freed once it settled.
 
         Returns:
             ``(device_indices, handle)``: the slots of the whole matched prefix
             (device part + loaded part) and the `LoadHandle` whose layer
-            futures the forward pass waits on (``None`` when nothing was on
-            host only). The loaded nodes stay locked until the load completes.
+            futures the forward pass waits on (``None`` when every slot has
+            landed). The loaded nodes stay locked until the load completes.
 
         Raises:
             InvalidInputError: ``match`` is not a `CacheMatch`.
             StateError: the index changed since ``match`` (its nodes were
-                evicted or flushed): match again; or ``match`` comes from
-                another `TierCache`.
+                evicted or flushed): match again; ``match`` comes from
+                another `TierCache`; or a load of the prefix this call waited
+                for failed (match again).
             CapacityError: no device room for the host part (see `alloc_device`).
         """
         return await self._load_back(match, own=-1)
@@ -1424,8 +1440,9 @@ class TierCache(AsyncResource):
     async def _load_back(
         self, match: CacheMatch, own: int, *, fresh: bool = False
     ) -> tuple[torch.Tensor, LoadHandle | None]:
-        """`load_back`; ``fresh``: ``match`` was taken with no await since (nothing to check)."""
-        ctl = self._check()
+        """`load_back`; ``fresh``: ``match`` was taken with no await since (nothing to check),
+        by `request`, which collects the handles of every load under the prefix itself."""
+        self._check()
         self._check_match(match)
         if match.host_tokens == 0:
             if not fresh:
@@ -1441,20 +1458,57 @@ class TierCache(AsyncResource):
             return sum(n.num_tokens for n in self.index.load_path(target))
 
         try:
-            ack, handle = await self._take_room(need, lambda: self._start_load(ctl, target), own)
+            assert self._pending_loads is not None
+            start = self._pending_loads.start
+            ack, handle = await self._take_room(need, lambda: start(target), own)
         except BaseException:
             self.index.unlock(target)
             self._notify_room()
             raise
-        full = self.index.match_prefix(
-            self.index.prefix_tokens(target), match.extra_key, touch=False, checked=True
-        )
         if ack is None:
             self.index.unlock(target)
             self._notify_room()
-            return full.device_indices, None
-        self._stats.loads_back += 1
-        return full.device_indices, handle
+        else:
+            self._stats.loads_back += 1
+        if fresh:  # `request`: it collects every load its prefix waits on itself
+            full = self.index.match_prefix(
+                self.index.prefix_tokens(target), match.extra_key, touch=False, checked=True
+            )
+            return full.device_indices, handle
+        return await self._with_loads(target, match.extra_key, handle)
+
+    async def _with_loads(
+        self, target: Node, extra_key: str | None, handle: LoadHandle | None
+    ) -> tuple[torch.Tensor, LoadHandle | None]:
+        """The device slots of the prefix down to ``target``, and the handle their bytes wait on.
+
+        ``handle`` is this call's own load, if it started one. Slots that
+        other loads still fill are only handed out with a handle that
+        covers them: with no load of its own and one other in flight, that
+        load's handle; with more, the call waits for all but the last
+        (its own comes last).
+
+        Raises:
+            StateError: a load this prefix waited for failed (its nodes went
+                back to the host tier): match again.
+        """
+        while True:
+            prefix = self.index.match_prefix(
+                self.index.prefix_tokens(target), extra_key, touch=False, checked=True
+            ).device_indices
+            assert self._pending_loads is not None
+            others = self._pending_loads.over(prefix, but=handle)
+            if not others or (handle is None and len(others) == 1):
+                return prefix, handle if handle is not None else (others[0] if others else None)
+            wait = others if handle is not None else others[:-1]
+            for h in wait:
+                try:
+                    await h
+                except Exception as e:
+                    raise StateError(
+                        f"the load back of this prefix failed ({e!r}): match again"
+                    ) from e
+            self._check()
 
     def _check_match(self, match: CacheMatch) -> None:
         """Check that ``match`` is a `CacheMatch` of this cache.
@@ -1504,121 +1558,6 @@ class TierCache(AsyncResource):
             raise StateError("the index changed since this match: match again") from e
         if not torch.equal(now, match.device_indices):
             raise StateError("the index changed since this match: match again")
-
-    def _start_load(
-        self, ctl: TierController, target: Node
-    ) -> tuple[CopyAck, LoadHandle] | tuple[None, None] | None:
-        """Start loading the host-only path down to ``target`` (synchronous: no await).
-
-        Returns:
-            The load's ack and handle; ``(None, None)`` when a concurrent call
-            loaded the path meanwhile; ``None`` when the device is full.
-        """
-        path = self.index.load_path(target)
-        if not path:  # loaded by a concurrent call meanwhile
-            return None, None
-        host = torch.cat([n.host_indices for n in path if n.host_indices is not None])
-        ack = ctl.submit_load(host, node_id=target.id, track=False)
-        if ack is None:
-            return None
-        handle = ctl.start_loading()
-        assert handle is not None
-        anchor = path[0].parent
-        assert anchor is not None
-        self.index.attach_device(target, ack.device_indices)
-        self._set_index_pages(ack.device_indices, True)
-        self._pending_loads[ack] = _PendingLoad(handle, ack.device_indices, anchor, target)
-        # On the handle, not the ack: its callbacks run before any awaiter of
-        # the handle (or of a later request) sees the load end, so the
-        # rollback of a failed load is done by then.
-        handle.add_done_callback(lambda _h: self._settle_loads())
-        return ack, handle
-
-    def _settle_loads(self) -> None:
-        """Settle every load back whose copy has ended: roll back a failed one, free orphans, unlock.
-
-        Runs from the handle's completion callback and at the start of every
-        public call (`_check`): a copy that ran inline on the loop ends
-        before any callback runs, and its caller may see the failure first.
-        """
-        if self._controller is None or self.state is not CacheState.OPEN:
-            return
-        for ack, pending in list(self._pending_loads.items()):
-            handle = pending.handle
-            if not handle.done():
-                continue
-            del self._pending_loads[ack]
-            # A copy run inline may have failed before its ack is resolved.
-            if handle.layers.error is not None or (ack.done() and ack.failed()):
-                self._rollback_load(pending)
-            self._free_when_settled(ack, pending.orphans)
-            try:
-                self.index.unlock(pending.target)
-            except StateError:
-                pass
-            self._notify_room()
-
-    def _free_when_settled(self, ack: CopyAck, slots: list[torch.Tensor]) -> None:
-        """Free ``slots`` once ``ack``'s copy is settled in the controller's books.
-
-        A copy run inline on the loop has ended before its ack is resolved
-        (its pages still count as busy until then): the free waits for that.
-        """
-        if not slots:
-            return
-
-        def free(_a: object = None) -> None:
-            ctl = self._controller
-            if ctl is None or self.state is not CacheState.OPEN:
-                return
-            for dev in slots:
-                ctl.device_allocator.free(dev, checked=True)
-            self._notify_room()
-
-        if ack.done():
-            free()
-        else:
-            ack.add_done_callback(free)
-
-    def _rollback_load(self, failed: _PendingLoad) -> None:
-        """Take from the index every node that claims slots of the failed load, and what hangs under it.
-
-        Slots that a load still in flight writes are freed when it settles;
-        the rest when the failed copy is settled (see `_free_when_settled`).
-        """
-        ps = self.layout.page_size
-        bad = set(self._pages(failed.device_indices).tolist())
-        anchor = failed.anchor
-        try:
-            self.index.path(anchor)
-        except StateError:
-            return
-        roots: list[Node] = []
-        stack = list(anchor.children.values())
-        while stack:
-            n = stack.pop()
-            if n.device_indices is None:
-                continue
-            if int(n.device_indices[0]) // ps in bad:
-                roots.append(n)
-            else:
-                stack.extend(n.children.values())
-        for n in roots:
-            for dev in self.index.detach_failed_load(n):
-                self._set_index_pages(dev, False)
-                owner = next(
-                    (
-                        p
-                        for p in self._pending_loads.values()
-                        if _overlap(dev[:1], p.device_indices)
-                    ),
-                    None,
-                )
-                (owner or failed).orphans.append(dev)
-        logger.warning(
-            "a load back of %d tokens failed: its nodes are host-only again",
-            failed.device_indices.numel(),
-        )
 
     async def prefetch(
         self,
@@ -1709,7 +1648,7 @@ class TierCache(AsyncResource):
             op = ctl.prefetch(request_id, host, wanted, match.index.prior_hash)
         finally:
             if op is None:  # nothing started (or refused): give back what was taken for it
-                ctl.host_allocator.free(host)
+                ctl.ledger.host.free(self._pages(host))
                 if not parent.is_root:
                     self.index.unpin_host(parent)
                 self._notify_room()
@@ -1752,7 +1691,8 @@ class TierCache(AsyncResource):
             if not parent.is_root:
                 self.index.unlock(parent)
                 self._notify_room()
-        return ctl.host_allocator.alloc(num_tokens) if room else None
+        got = ctl.ledger.host.alloc(num_tokens) if room else None
+        return None if got is None else got[0]
 
     async def _settle_prefetch(
         self,
@@ -1781,14 +1721,13 @@ class TierCache(AsyncResource):
             return 0, 0
         got = op.host_indices[:done]
         if self.state is not CacheState.OPEN or (parent.parent is None and not parent.is_root):
-            ctl.host_allocator.free(got)  # closing, or the parent was dropped meanwhile
+            ctl.ledger.host.free(self._pages(got))  # closing, or the parent was dropped meanwhile
             return 0, 0
         res = self.index.insert_host(
             toks[:done], got, parent=parent, extra_key=extra_key, page_hashes=hashes, checked=True
         )
         if res.prefix_len:
-            ctl.host_allocator.free(got[: res.prefix_len])
-            self._notify_room()
+            ctl.ledger.host.free(self._pages(got[: res.prefix_len]))
         if res.node is not None:
             self.index.mark_backed_up(res.node)
         # Pages another request cached meanwhile are hits where that request put them.
@@ -1887,10 +1826,8 @@ class TierCache(AsyncResource):
         ).last_device_node
         self.index.lock(node)
         loads = [handle] if handle is not None else []
-        if prefix.numel():
-            for p in self._pending_loads.values():
-                if p.handle not in loads and _overlap(p.device_indices, prefix):
-                    loads.append(p.handle)
+        assert self._pending_loads is not None
+        loads += [h for h in self._pending_loads.over(prefix) if h is not handle]
         self._stats.requests += 1
         self._stats.tokens_requested += len(toks)
         # The prefix: what was on the device when it matched, what its own
@@ -1946,8 +1883,6 @@ class TierCache(AsyncResource):
         await ctl.reset()
         self._flushes += 1
         self.index.reset()
-        self._index_pages[:] = False
-        self._request_pages[:] = False
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters, including the controller's and the storage tier's."""
@@ -2012,7 +1947,6 @@ class Request:
         self.loads = loads
         self.load = loads[0] if loads else None
         self._node = node
-        self._owned: list[torch.Tensor] = []
         # The slots of the last page `alloc` took that it has not returned yet.
         self._spare = torch.empty(0, dtype=torch.int64)
         self._committed = False
@@ -2050,7 +1984,7 @@ class Request:
             try:
                 await h
             except BaseException:
-                self.cache._settle_loads()
+                self.cache._check_loads()
                 raise
 
     async def alloc(self, num_tokens: int) -> torch.Tensor:
@@ -2081,10 +2015,8 @@ class Request:
         if more <= 0:
             self._spare = self._spare[n:]
             return spare
-        own = sum(int(t.numel()) for t in self._owned)
-        slots = await self.cache._alloc_device(-(-more // ps) * ps, own=own)
-        self._owned.append(slots)
-        self.cache._request_pages[self.cache._pages(slots)] = True
+        own = self._held().size * ps
+        slots = await self.cache._alloc_device(-(-more // ps) * ps, own=own, request=self)
         self._spare = slots[more:]
         return torch.cat([spare, slots[:more]])
 
@@ -2143,9 +2075,8 @@ class Request:
             raise InvalidInputError("device_indices must start with the request's prefix_indices")
         ps = cache.layout.page_size
         n = len(toks) // ps * ps
-        own = torch.cat(self._owned) if self._owned else torch.empty(0, dtype=torch.int64)
         new = slots[self.cached_tokens : n]
-        if new.numel() and not _isin(new, own).all():
+        if new.numel() and not np.isin(cache._pages(new), self._held()).all():
             raise InvalidInputError("new tokens' slots must come from this request's alloc")
         self._committing = True
         try:
@@ -2164,8 +2095,11 @@ class Request:
         finally:
             self._committing = False
         self._committed = True
-        self._owned = [own[torch.from_numpy(~_isin(own, new))]] if own.numel() else []
         return dup
+
+    def _held(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The device pages this request holds (from `alloc`, not yet committed)."""
+        return self.cache.controller.ledger.device.request_pages(self)
 
     async def _release(self) -> None:
         """Unlock the prefix and free the slots not committed (no await: cancel-safe)."""
@@ -2180,9 +2114,5 @@ class Request:
         except StateError:
             pass
         ctl = cache.controller
-        for slots in self._owned:
-            if slots.numel():
-                cache._request_pages[cache._pages(slots)] = False
-                ctl.free_device(slots)
-        self._owned = []
-        cache._notify_room()
+        # Behind a fence on the compute stream: the forward pass may still read them.
+        ctl.ledger.device.free_request(self, fence=ctl.ready_event(None, "free_device"))

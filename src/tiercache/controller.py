@@ -41,6 +41,7 @@ from tiercache.errors import (
     InvalidInputError,
     StateError,
 )
+from tiercache.ledger import Lease, Ledger, PoolLedger, live_fences
 from tiercache.memory.allocator import PageAllocator, check_slot_pages, page_ids
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
 from tiercache.storage.base import BackendState, StorageBackend
@@ -268,8 +269,10 @@ class _Operation:
     track: bool
     host_pages: np.ndarray[Any, np.dtype[np.int64]]
     device_pages: np.ndarray[Any, np.dtype[np.int64]]
-    #: CUDA: the copy stream waits for this event before it touches the slots.
-    ready: torch.cuda.Event | None = None
+    #: CUDA: the copy stream waits for these fences before it touches the slots
+    #: (the caller's ``ready``, and for a write the producers of its device
+    #: pages, for a load the last readers of its device pages).
+    fences: list[Any] | None = None
     #: Loads: write jobs still filling some of the host slots it reads.
     after: list[_WriteJob] | None = None
 
@@ -288,42 +291,6 @@ class _WriteJob:
 
     host_pages: np.ndarray[Any, np.dtype[np.int64]]
     settled: concurrent.futures.Future[None] | None = None
-
-
-class _BusyPages:
-    """How many copies or storage calls use each page of a pool right now.
-
-    A numpy array rather than a tensor: an operation touches a handful of
-    pages, and numpy's fancy indexing costs about a microsecond where a torch
-    op costs several; for a few pages a loop over scalars is cheaper still
-    (no index array, no temporary). Pages within one update are unique (they
-    come from one allocation), so ``counts[pages] += delta`` is exact.
-    """
-
-    #: Updates of at most this many pages loop over them one by one.
-    SMALL = 8
-
-    def __init__(self, num_pages: int, page_size: int) -> None:
-        self.page_size = page_size
-        self.counts = np.zeros(num_pages, dtype=np.int32)
-
-    def pages(self, indices: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """Page ids of page-aligned CPU slot indices."""
-        return page_ids(indices, self.page_size)
-
-    def add(self, pages: np.ndarray[Any, np.dtype[np.int64]], delta: int) -> None:
-        counts = self.counts
-        if pages.size > self.SMALL:
-            counts[pages] += delta
-        else:
-            for p in pages.tolist():
-                counts[p] += delta
-
-    def any(self, pages: np.ndarray[Any, np.dtype[np.int64]]) -> bool:
-        counts = self.counts
-        if pages.size > self.SMALL:
-            return bool(counts[pages].any())
-        return any(counts[p] for p in pages.tolist())
 
 
 #: `TierController.backup` and `load_back` of at least this many slots yield to
@@ -352,17 +319,6 @@ def _op_args(priority: object, node_id: object, track: object) -> tuple[int, int
     if track.__class__ is not bool:
         track = check_bool(track, "track")
     return priority, node_id, track
-
-
-def _unique_events(
-    events: Any,
-) -> list[torch.cuda.Event]:
-    """The distinct non-``None`` events of ``events``, in order."""
-    out: list[torch.cuda.Event] = []
-    for ev in events:
-        if ev is not None and not any(ev is e for e in out):
-            out.append(ev)
-    return out
 
 
 def _merged(ops: list[_Operation]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -397,57 +353,28 @@ def _mark_done(layers: LayerDoneSet, i: int) -> Callable[[], None]:
 class _HostSlots:
     """The slice of a controller its storage tier may use (`storage_tier.HostSlots`).
 
-    The host pool and its allocator, the device (for collectives), holds on
-    host pages that a storage call reads or fills (the same per-page counts
-    that copies keep, so `free_host` refuses such pages), the pages a
-    prefetch fills (so `write_storage` and `submit_load` refuse them), and
-    the fault callback. Built by the controller from its own parts; loop
-    thread only.
-
-    Args:
-        pool, allocator, device: what the properties return.
-        busy: the controller's per-page use counts of the host pool.
-        writing: the pages device->host copies fill (the controller keeps them).
-        fetching: the pages prefetches fill (kept here, by `hold` and `release`).
-        released: called after a hold ends (the controller's settle callbacks).
-        failed: called with a tier its fault policy gave up on.
-
-    Both callbacks are bound methods of the controller, held weakly: the
-    controller owns this object, and a strong reference back would put the
-    controller, and the pools it holds, in a cycle that only the garbage
-    collector frees (a pause on whichever thread runs it, when the pools are
-    large).
+    The host pool, the device (for collectives), and the host half of the
+    controller's `Ledger`: a storage call takes a lease on the host pages it
+    reads (a backup) or fills (a prefetch, `Lease.FETCH`) while it runs, and
+    frees the pages a prefetch did not fill through it. Ending a lease wakes
+    the ledger's release listeners. The fault callback is a bound method of
+    the controller, held weakly: the controller owns this object, and a
+    strong reference back would put the controller, and the pools it holds,
+    in a cycle that only the garbage collector frees. Loop thread only.
     """
 
-    __slots__ = (
-        "_allocator",
-        "_busy",
-        "_device",
-        "_failed",
-        "_fetching",
-        "_pool",
-        "_released",
-        "_writing",
-    )
+    __slots__ = ("_device", "_failed", "_host", "_pool")
 
     def __init__(
         self,
         pool: HostKVPool,
-        allocator: PageAllocator,
+        host: PoolLedger,
         device: torch.device,
-        busy: _BusyPages,
-        writing: _BusyPages,
-        fetching: _BusyPages,
-        released: Callable[[], None],
         failed: Callable[[StorageTier], None],
     ) -> None:
         self._pool = pool
-        self._allocator = allocator
+        self._host = host
         self._device = device
-        self._busy = busy
-        self._writing = writing
-        self._fetching = fetching
-        self._released = weakref.WeakMethod(released)
         self._failed = weakref.WeakMethod(failed)
 
     @property
@@ -455,38 +382,41 @@ class _HostSlots:
         return self._pool
 
     @property
-    def allocator(self) -> PageAllocator:
-        return self._allocator
-
-    @property
     def device(self) -> torch.device:
         return self._device
 
+    def allocated(self, host_indices: torch.Tensor) -> bool:
+        """Whether every page of these (checked) host slots is allocated."""
+        return self._host.allocated(self._host.pages(host_indices))
+
     def hold(self, host_indices: torch.Tensor, *, fill: bool = False) -> None:
-        """Mark host slots in use by a storage call (they may not be freed; with ``fill``, nor read)."""
-        pages = self._busy.pages(host_indices)
-        self._busy.add(pages, +1)
-        if fill:
-            self._fetching.add(pages, +1)
+        """Lease host slots to a storage call (a backup reads them; with ``fill`` a prefetch fills them)."""
+        self._host.lease(self._host.pages(host_indices), Lease.FETCH if fill else Lease.READ)
 
     def release(self, host_indices: torch.Tensor, *, fill: bool = False) -> None:
-        """End a `hold`; runs the controller's settle callbacks (the pages may be freed now)."""
-        pages = self._busy.pages(host_indices)
-        self._busy.add(pages, -1)
-        if fill:
-            self._fetching.add(pages, -1)
-        released = self._released()
-        if released is not None:
-            released()
+        """End a `hold`; wakes the release listeners (the pages may be freed now).
+
+        A prefetch's completed prefix holds its tokens' KV from then on.
+        """
+        pages = self._host.pages(host_indices)
+        self._host.end_lease(pages, Lease.FETCH if fill else Lease.READ)
+
+    def free(self, host_indices: torch.Tensor) -> None:
+        """Free host slots a prefetch did not fill (nothing leases them any more)."""
+        self._host.free(self._host.pages(host_indices))
 
     def in_use(self, host_indices: torch.Tensor) -> bool:
         """Whether a copy or a storage call uses any of these host slots."""
-        return self._busy.any(self._busy.pages(host_indices))
+        return self._host.leased(self._host.pages(host_indices))
 
     def filling(self, host_indices: torch.Tensor) -> bool:
         """Whether a device->host copy or a prefetch still fills any of these host slots."""
-        pages = self._busy.pages(host_indices)
-        return self._writing.any(pages) or self._fetching.any(pages)
+        pages = self._host.pages(host_indices)
+        return self._host.leased(pages, Lease.FILL) or self._host.leased(pages, Lease.FETCH)
+
+    def spoiled(self, host_indices: torch.Tensor) -> bool:
+        """Whether a failed copy left some of these host slots without their KV."""
+        return self._host.spoiled(self._host.pages(host_indices))
 
     def storage_failed(self, tier: StorageTier) -> None:
         """The fault policy gave up on ``tier``: the controller detaches it in the background."""
@@ -642,30 +572,18 @@ class TierController(AsyncResource):
         self._inflight = 0  # copy jobs started and not yet settled on the loop
         self._closed = asyncio.Event()
         self._ids = itertools.count()
-        # Pages with a copy queued or running, per pool: they may not be freed.
-        self._busy_device = _BusyPages(self.device_allocator.num_pages, ps)
-        self._busy_host = _BusyPages(self.host_allocator.num_pages, ps)
-        # Device pages a load fills (queued or not settled): writes of them are refused.
-        self._loading_device = _BusyPages(self.device_allocator.num_pages, ps)
-        # Host pages a write fills (queued or not settled): loads of them wait.
-        self._writing_host = _BusyPages(self.host_allocator.num_pages, ps)
-        # Host pages a storage prefetch fills: loads and backups of them are refused.
-        self._fetching_host = _BusyPages(self.host_allocator.num_pages, ps)
+        #: Who owns every page of both pools, the leases copies and storage
+        #: calls hold on them, their fences: the one caller of the allocators.
+        self.ledger = Ledger(self.device_allocator, self.host_allocator)
+        self.ledger.on_release(self._notify_settled)
         self._slots = _HostSlots(
-            host_pool,
-            self.host_allocator,
-            device_pool.device,
-            self._busy_host,
-            self._writing_host,
-            self._fetching_host,
-            self._notify_settled,
-            self._storage_failed,
+            host_pool, self.ledger.host, device_pool.device, self._storage_failed
         )
         self._write_jobs: set[_WriteJob] = set()
         self._queued_write_job: _WriteJob | None = None
-        # CUDA: events after the last readers of device slots freed since the
-        # last load started; the next load's copy stream waits for them.
-        self._device_fences: list[torch.cuda.Event] = []
+        #: The stream the engine's forward pass runs on (CUDA; `use_compute_stream`):
+        #: the default producer and last reader of the slots it hands over.
+        self.compute_stream: torch.cuda.Stream | None = None
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -843,15 +761,21 @@ class TierController(AsyncResource):
 
     # -- bookkeeping ----------------------------------------------------------
 
-    def _mark_busy(self, op: _Operation, delta: int) -> None:
-        self._busy_host.add(op.host_pages, delta)
-        self._busy_device.add(op.device_pages, delta)
+    def _leases(self, op: _Operation) -> tuple[tuple[PoolLedger, _Pages, Lease], ...]:
+        """What ``op`` leases: a write reads the device and fills the host, a load the reverse."""
+        dev, host = self.ledger.device, self.ledger.host
+        if op.ack.kind == "write":
+            return (dev, op.device_pages, Lease.READ), (host, op.host_pages, Lease.FILL)
+        return (host, op.host_pages, Lease.READ), (dev, op.device_pages, Lease.FILL)
 
     def _release(self, op: _Operation) -> None:
-        """``op`` no longer uses its pages: it has settled, or `reset` dropped it."""
-        self._mark_busy(op, -1)
-        if op.ack.kind == "load":
-            self._loading_device.add(op.device_pages, -1)
+        """``op`` no longer uses its pages: it has settled, or `reset` dropped it.
+
+        The release listeners are not run here: the caller runs them once,
+        after every page of the job is released.
+        """
+        for pool, pages, kind in self._leases(op):
+            pool.end_lease(pages, kind, wake=False)
 
     def _new_op(
         self,
@@ -868,7 +792,8 @@ class TierController(AsyncResource):
         nid = next(self._ids) if node_id is None else node_id
         ack = CopyAck(kind, nid, host[0], dev[0], loop.create_future())
         op = _Operation(host[0], dev[0], priority, ack, track, host[1], dev[1])
-        self._mark_busy(op, +1)
+        for pool, pages, lease in self._leases(op):
+            pool.lease(pages, lease)
         return op
 
     def ready_event(self, ready: Ready, what: str = "ready") -> torch.cuda.Event | None:
@@ -879,12 +804,14 @@ class TierController(AsyncResource):
         ``ready``.
 
         Runs synchronously in the submitting call, on the caller's thread: the
-        default is an event recorded *now* on the caller's current stream of
-        the pool's device, so the copy is ordered after everything the caller
-        queued before it submitted. A caller's event is pinned now too: a
-        side stream waits for it as recorded at this call and a private event
-        is recorded after that wait, so recording the caller's event again
-        later does not move the copy's ordering point. ``None`` on a CPU
+        default is an event recorded *now* on the engine's compute stream
+        (`use_compute_stream`) or, when none was named, on the caller's
+        current stream of the pool's device, so the copy is ordered after
+        everything queued there before it submitted. A caller's event is
+        pinned now too: a side stream waits for it as recorded at this call
+        and a private event is recorded after that wait, so recording the
+        caller's event again later does not move the copy's ordering point.
+        ``None`` on a CPU
         device, where the caller's work is done when it calls us.
 
         Raises:
@@ -900,7 +827,7 @@ class TierController(AsyncResource):
             return None
         if ready is None:
             ev = new_event()
-            ev.record(torch.cuda.current_stream(device))
+            ev.record(self.compute_stream or torch.cuda.current_stream(device))
             return ev
         if isinstance(ready, torch.cuda.Event):
             side = self._ready_stream
@@ -922,6 +849,30 @@ class TierController(AsyncResource):
             f"{what}: ready must be a torch.cuda.Event, a torch.cuda.Stream or None, "
             f"got {type(ready).__name__}"
         )
+
+    def use_compute_stream(self, stream: torch.cuda.Stream | None) -> None:
+        """Name the stream the engine's forward pass (attention) runs on; ``None``: the caller's current one.
+
+        Every ``ready`` left to its default is then an event recorded on that
+        stream, not on the calling thread's current stream (the loop thread's,
+        for the copies the cache starts itself: write-backs, write-through,
+        the fences of slots it frees).
+
+        Raises:
+            InvalidInputError: not a CUDA stream of the pool's device (or any
+                stream on a CPU pool).
+        """
+        if stream is not None:
+            device = self.device_pool.device
+            if not self._cuda or not isinstance(stream, torch.cuda.Stream):
+                raise InvalidInputError(
+                    f"use_compute_stream: needs a torch.cuda.Stream of the pool's device ({device})"
+                )
+            if stream.device != device:
+                raise InvalidInputError(
+                    f"use_compute_stream: a stream of {stream.device}, the pool is on {device}"
+                )
+        self.compute_stream = stream
 
     def _pinned_indices(self, indices: torch.Tensor) -> torch.Tensor:
         """CUDA: ``indices`` in pinned memory, so the plan's host->device index copy
@@ -973,25 +924,31 @@ class TierController(AsyncResource):
                 device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
             ),
         )
-        if not self.device_allocator.pages_allocated(dev[1]):
+        device = self.ledger.device
+        if not device.allocated(dev[1]):
             raise InvalidInputError("device_indices include slots that are not allocated")
-        if self._loading_device.any(dev[1]):
+        if device.leased(dev[1], Lease.FILL):
             raise StateError(
                 "a load still fills some of device_indices: back them up once its ack has settled"
             )
+        if device.spoiled(dev[1]):
+            raise StateError(
+                "some of device_indices hold no KV (the load into them failed): nothing to back up"
+            )
         priority, node_id, track = _op_args(priority, node_id, track)
         ready_ev = self.ready_event(ready, "submit_write")
-        host = self.host_allocator.alloc_pages(dev[0].numel())
+        host = self.ledger.host.alloc(dev[0].numel())
         if host is None:
             self.stats.host_full += 1
             return None
         try:
             op = self._new_op("write", host, dev, priority, node_id, track)
         except BaseException:
-            self.host_allocator.free_pages(host[1])
+            self.ledger.host.free(host[1])
             raise
-        op.ready = ready_ev
-        self._writing_host.add(op.host_pages, +1)
+        # The producers of the device pages (recorded when they were inserted)
+        # travel with them: the copy waits for them as well as for ``ready``.
+        op.fences = live_fences((ready_ev, *device.producers(dev[1])))
         job = self._queued_write_job
         if job is None:
             job = self._queued_write_job = _WriteJob(op.host_pages)
@@ -1043,7 +1000,7 @@ class TierController(AsyncResource):
             return 0
         assert wjob is not None
         host, dev = _merged(ops)
-        readies = _unique_events(o.ready for o in ops)
+        readies = live_fences(ev for o in ops for ev in o.fences or ())
         pinned = self._pinned_indices
         stream = self._write_stream
         engine = self.engine
@@ -1113,26 +1070,34 @@ class TierController(AsyncResource):
                 host_indices, self.layout.page_size, self.host_pool.num_slots, "host_indices"
             ),
         )
-        if not self.host_allocator.pages_allocated(host[1]):
+        pool = self.ledger.host
+        if not pool.allocated(host[1]):
             raise InvalidInputError("host_indices include slots that are not allocated")
-        if self._fetching_host.any(host[1]):
+        if pool.leased(host[1], Lease.FETCH):
             raise StateError(
                 "a storage prefetch still fills some of host_indices: load them once it has ended"
             )
+        if pool.spoiled(host[1]):
+            raise StateError(
+                "some of host_indices hold no KV (the copy into them failed): "
+                "they cannot be loaded; free them"
+            )
         priority, node_id, track = _op_args(priority, node_id, track)
         ready_ev = self.ready_event(ready, "submit_load")
-        dev = self.device_allocator.alloc_pages(host[0].numel())
+        device = self.ledger.device
+        dev = device.alloc(host[0].numel())
         if dev is None:
             self.stats.device_full += 1
             return None
         try:
             op = self._new_op("load", host, dev, priority, node_id, track)
         except BaseException:
-            self.device_allocator.free_pages(dev[1])
+            device.free(dev[1])
             raise
-        op.ready = ready_ev
-        self._loading_device.add(op.device_pages, +1)
-        if self._writing_host.any(op.host_pages):
+        # The last readers of the device pages it overwrites (their fences left
+        # the ledger with it; a load that fails gives them back).
+        op.fences = live_fences((ready_ev, *device.take_fences(dev[1])))
+        if pool.leased(op.host_pages, Lease.FILL):
             jobs = list(self._write_jobs)
             if self._queued_write_job is not None:
                 jobs.append(self._queued_write_job)
@@ -1176,8 +1141,7 @@ class TierController(AsyncResource):
             return None
         writes = self._writes_read_by(ops)
         host, dev = _merged(ops)
-        readies = _unique_events([*(o.ready for o in ops), *self._device_fences])
-        self._device_fences = []  # the load stream waits for them once: later loads follow
+        readies = live_fences(ev for o in ops for ev in o.fences or ())
         producer_id, layers = self.layer_done_counter.update_producer(
             loop, cuda=stream.is_cuda, device=self.device_pool.device
         )
@@ -1228,13 +1192,15 @@ class TierController(AsyncResource):
 
         def job() -> Completion:
             try:
+                # The last readers of the slots first: whatever fails below,
+                # no later copy on this stream overtakes them.
+                for r in readies:
+                    stream.wait_for(r)
                 for w in writes:
                     # A backup into these host slots: its bytes first (rare:
                     # the index only hands out host slots whose write settled).
                     if _wait_exception(w) is not None:
                         raise StateError("the backup into these host slots failed")
-                for r in readies:
-                    stream.wait_for(r)
                 plan = engine.plan(host, pinned(dev), checked=True)
                 steps: list[tuple[torch.cuda.Event | None, Callable[[], None] | None]] = []
 
@@ -1339,7 +1305,6 @@ class TierController(AsyncResource):
             )
         if wjob is not None:
             self._write_jobs.discard(wjob)
-            self._writing_host.add(wjob.host_pages, -1)
             # The stream's future keeps the callback that settled it, and that
             # callback refers to this job: a cycle through the controller (and
             # its pools) that only the garbage collector would free. A settled
@@ -1347,6 +1312,7 @@ class TierController(AsyncResource):
             wjob.settled = _settled(error)
         for op in ops:
             self._release(op)
+            self._record_outcome(op, error)
         tracked = self.track_acks
         for op in ops:
             op.ack._settle(error)
@@ -1355,6 +1321,30 @@ class TierController(AsyncResource):
         if handle is not None:
             handle._settle(error)
         self._notify_settled()
+
+    def _record_outcome(self, op: _Operation, error: BaseException | None) -> None:
+        """Write what ``op``'s copy did to its pages' bytes into the ledger.
+
+        A copy that failed leaves its destination without the KV (a load or a
+        backup of it is refused until it is filled again or freed). A failed
+        load gives back the reader fences it took: it may have failed before
+        its stream waited for them, and the pages' next fill must still wait.
+        A write that landed ends its device pages' producers: their bytes
+        have left the device.
+        """
+        dev, host = self.ledger.device, self.ledger.host
+        if op.ack.kind == "write":
+            if error is None:
+                host.filled(op.host_pages)
+                dev.copied_out(op.device_pages)
+            else:
+                host.spoil(op.host_pages)
+        elif error is None:
+            dev.filled(op.device_pages)
+        else:
+            dev.spoil(op.device_pages)
+            for ev in op.fences or ():
+                dev.add_fence(op.device_pages, ev)
 
     def drain_acks(self) -> list[CopyAck]:
         """Finished write acks since the last call, oldest first (non-blocking).
@@ -1401,7 +1391,8 @@ class TierController(AsyncResource):
         if ack is None:
             return None
         self._schedule_start("write")  # also with auto_start_writes off: nobody else may
-        await self._await_or_release(ack, lambda: self.host_allocator.free(ack.host_indices))
+        host = self.ledger.host
+        await self._await_or_release(ack, lambda: host.free(host.pages(ack.host_indices)))
         return ack.host_indices
 
     async def load_back(
@@ -1428,8 +1419,19 @@ class TierController(AsyncResource):
         if ack is None:
             return None
         self._schedule_start("load")
-        await self._await_or_release(ack, lambda: self.device_allocator.free(ack.device_indices))
+        await self._await_or_release(ack, lambda: self._free_failed_load(ack))
         return ack.device_indices
+
+    def _free_failed_load(self, ack: CopyAck) -> None:
+        """Free the device slots of a load nobody takes, behind a fence on the compute stream.
+
+        Its layers that landed may be read by attention still queued there
+        (the forward pass waited for them layer by layer): the next fill of
+        those slots waits for it (`use_compute_stream`; default: the calling
+        thread's current stream).
+        """
+        dev = self.ledger.device
+        dev.free(dev.pages(ack.device_indices), fence=self.ready_event(None, "load_back"))
 
     async def _await_or_release(self, ack: CopyAck, release: Callable[[], None]) -> None:
         """Wait for the ack of a `backup` / `load_back`; on any error, ``release`` its slots.
@@ -1482,11 +1484,10 @@ class TierController(AsyncResource):
         """
         self._check_loop()
         check_choice(pool, ("device", "host"), "pool")
-        if pool == "device":
-            busy, num_slots = self._busy_device, self.device_pool.num_slots
-        else:
-            busy, num_slots = self._busy_host, self.host_pool.num_slots
-        return busy.any(check_slot_pages(indices, self.layout.page_size, num_slots, "indices")[1])
+        books = self.ledger.device if pool == "device" else self.ledger.host
+        return books.leased(
+            check_slot_pages(indices, self.layout.page_size, books.num_slots, "indices")[1]
+        )
 
     def free_device(
         self, device_indices: torch.Tensor, *, ready: Ready = None, checked: bool = False
@@ -1513,14 +1514,11 @@ class TierController(AsyncResource):
             dev, pages = check_slot_pages(
                 device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
             )
-        if self._busy_device.any(pages):
+        if self.ledger.device.leased(pages):
             raise StateError("device slots with a copy in flight cannot be freed; await its ack")
-        fence = self.ready_event(ready, "free_device")
-        # The allocator refuses a double free before it changes anything: only
-        # then is the fence recorded and are the waiters for room woken.
-        self.device_allocator.free_pages(pages)
-        self._add_fence(fence)
-        self._notify_settled()
+        # The ledger refuses a double free before it changes anything: only
+        # then is the fence kept (on the freed pages) and are the waiters woken.
+        self.ledger.device.free(pages, fence=self.ready_event(ready, "free_device"))
         return int(dev.numel())
 
     def fence_device_reads(self, ready: Ready = None) -> None:
@@ -1529,20 +1527,16 @@ class TierController(AsyncResource):
         Call it when freeing device slots through the allocator directly while
         kernels that read them may still be queued: ``ready`` names those
         readers (an event or their stream; default: the calling thread's
-        current stream of the pool's device, recorded now). The load stream
-        waits for it once, at the next `start_loading`.
+        current stream of the pool's device, recorded now). Every load that
+        starts before it has finished waits for it (the ledger drops it once
+        it has).
 
         Raises:
             InvalidInputError: bad ``ready``.
             StateError: called off the controller's loop.
         """
         self._check_loop()
-        self._add_fence(self.ready_event(ready, "fence_device_reads"))
-
-    def _add_fence(self, ev: torch.cuda.Event | None) -> None:
-        """Have the next `start_loading` wait for ``ev`` (``None``: nothing to wait for)."""
-        if ev is not None:
-            self._device_fences.append(ev)
+        self.ledger.device.add_fence(None, self.ready_event(ready, "fence_device_reads"))
 
     def free_host(self, host_indices: torch.Tensor) -> int:
         """Free host slots. Returns slots freed.
@@ -1556,13 +1550,7 @@ class TierController(AsyncResource):
         host, pages = check_slot_pages(
             host_indices, self.layout.page_size, self.host_pool.num_slots, "host_indices"
         )
-        if self._busy_host.any(pages):
-            raise StateError(
-                "host slots that a copy or a storage call still uses cannot be freed; "
-                "await its ack or its end"
-            )
-        self.host_allocator.free_pages(pages)
-        self._notify_settled()
+        self.ledger.host.free(pages)  # refuses slots a copy or storage call leases
         return int(host.numel())
 
     async def reset(self) -> None:
@@ -1587,8 +1575,8 @@ class TierController(AsyncResource):
             op.ack._settle(asyncio.CancelledError())
         self._load_queue.clear()
         self._finished.clear()
-        self.device_allocator.reset()
-        self.host_allocator.reset()
+        self.ledger.device.reset()
+        self.ledger.host.reset()
         self.layer_done_counter.reset()
 
     def plan(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> TransferPlan:

@@ -60,7 +60,7 @@ from tiercache.errors import (
     StorageTimeoutError,
 )
 from tiercache.index.hashing import INLINE_HASH_PAGES, page_hashes
-from tiercache.memory.allocator import PageAllocator, check_slot_indices
+from tiercache.memory.allocator import check_slot_indices
 from tiercache.memory.pools import HostKVPool
 from tiercache.observe import observe
 from tiercache.storage.base import PageBuffer, PageKey, StorageBackend
@@ -228,9 +228,16 @@ class HostSlots(Protocol):
         """The pinned host pool (the tier reads and writes page views of it)."""
         ...
 
-    @property
-    def allocator(self) -> PageAllocator:
-        """The host slot allocator (the tier frees the slots a prefetch did not fill)."""
+    def allocated(self, host_indices: torch.Tensor) -> bool:
+        """Whether every page of ``host_indices`` (CPU, page-aligned) is allocated."""
+        ...
+
+    def free(self, host_indices: torch.Tensor) -> None:
+        """Free host slots the tier took over (those a prefetch did not fill)."""
+        ...
+
+    def spoiled(self, host_indices: torch.Tensor) -> bool:
+        """Whether a failed copy left some of ``host_indices`` without their KV."""
         ...
 
     @property
@@ -566,7 +573,7 @@ def check_storage_args(
                 f"{len(hash_values)} hash_values for {pages} pages: give one per page"
             )
         namespace.keys(hash_values)  # each a page hash
-    if not slots.allocator.is_allocated(host):
+    if not slots.allocated(host):
         raise InvalidInputError("host_indices include slots that are not allocated")
     if fill and slots.in_use(host):
         raise StateError(
@@ -576,6 +583,10 @@ def check_storage_args(
         raise StateError(
             "a device->host copy or a storage prefetch still fills some of host_indices: "
             "back them up once it has ended (await its ack or the prefetch)"
+        )
+    if not fill and slots.spoiled(host):
+        raise StateError(
+            "some of host_indices hold no KV (the copy into them failed): nothing to back up"
         )
     return host, token_ids
 
@@ -1124,7 +1135,7 @@ class StorageTier:
         self.slots.release(op.host_indices, fill=True)
         rest = op.host_indices[op.completed_tokens :]
         if rest.numel():
-            self.slots.allocator.free(rest)
+            self.slots.free(rest)
         self._held_tokens -= int(rest.numel())
         # The completed prefix counts until the caller takes it (or a reset frees it).
         op._on_handover = functools.partial(self._handed_over, self._held_generation)

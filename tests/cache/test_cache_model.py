@@ -41,6 +41,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tiercache import TierCache, TierCacheConfig
 from tiercache.cache import Request
 from tiercache.errors import CapacityError, InvalidInputError, StateError
+from tiercache.ledger import Owner
 from tiercache.storage.memory import MemoryBackend
 from tiercache.transfer.engine import CopyEngine
 
@@ -610,10 +611,12 @@ class CacheModel(RuleBasedStateMachine):
             outside,
         )
         assert ctl.host_allocator.used == index.total_host_tokens()
-        assert int(cache._index_pages.sum()) * PS == index.total_device_tokens()
+        books = ctl.ledger
+        books.check_invariants()
+        assert books.device.tokens_owned(Owner.INDEX) == index.total_device_tokens()
         assert not cache._pending_loads
         if not self.held:
-            assert not cache._request_pages.any()
+            assert books.device.tokens_owned(Owner.REQUEST) == 0
         for node in index.nodes():
             full = index.prefix_tokens(node)
             start = len(full) - node.num_tokens

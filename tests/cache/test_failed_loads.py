@@ -19,6 +19,7 @@ import torch
 
 from tiercache import TierCache, TierCacheConfig
 from tiercache.errors import InvalidInputError, StateError
+from tiercache.ledger import Owner
 from tiercache.transfer.engine import CopyEngine
 
 PS = 16
@@ -68,7 +69,8 @@ def check_clean(cache: TierCache) -> None:
     cache.index.check_invariants()
     assert ctl.device_allocator.used == cache.index.total_device_tokens()
     assert ctl.host_allocator.used == cache.index.total_host_tokens()
-    assert int(cache._index_pages.sum()) * PS == cache.index.total_device_tokens()
+    ctl.ledger.check_invariants()
+    assert ctl.ledger.device.tokens_owned(Owner.INDEX) == cache.index.total_device_tokens()
     assert not any(n.lock_ref for n in cache.index.nodes())
     assert not cache._pending_loads
 

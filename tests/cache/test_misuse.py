@@ -27,6 +27,7 @@ from tiercache import (
 from tiercache.cache import Request
 from tiercache.errors import BackendUnavailableError, CapacityError, InvalidInputError, StateError
 from tiercache.index.hashing import hash_page
+from tiercache.ledger import Owner
 from tiercache.storage.memory import MemoryBackend
 
 PS = 16
@@ -84,7 +85,8 @@ def snapshot(cache: TierCache, req: Request | None = None) -> Any:
         ctl.host_allocator._allocated.tolist(),
     )
     if req is not None:
-        out += (req._committed, [t.tolist() for t in req._owned], req.cached_tokens)
+        held = ctl.ledger.device.request_pages(req).tolist()
+        out += (req._committed, held, req.cached_tokens)
     return out
 
 
@@ -120,9 +122,8 @@ def check_accounting(cache: TierCache) -> None:
     cache.index.check_invariants()
     assert ctl.device_allocator.used == cache.index.total_device_tokens()
     assert ctl.host_allocator.used == cache.index.total_host_tokens()
-    index_pages = getattr(cache, "_index_pages", None)  # the pages the cache knows the index holds
-    if index_pages is not None:
-        assert int(index_pages.sum()) * PS == cache.index.total_device_tokens()
+    ctl.ledger.check_invariants()
+    assert ctl.ledger.device.tokens_owned(Owner.INDEX) == cache.index.total_device_tokens()
 
 
 # -- the five regressions ---------------------------------------------------------------
@@ -488,7 +489,7 @@ async def test_slots_an_open_request_owns_are_only_its_own_to_commit_or_free() -
             assert await req.commit([*P, 1], slots) == 0
         await c.wait_idle()
         check_accounting(c)
-        assert not c._request_pages.any()
+        assert c.controller.ledger.device.tokens_owned(Owner.REQUEST) == 0
         assert await serve(c, [*P, 2]) == 32
 
 

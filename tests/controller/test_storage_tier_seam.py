@@ -56,6 +56,15 @@ class FakeSlots:
         assert int(self.held.min()) >= 0, "released more than held"
         assert int(self.filled.min()) >= 0, "released more fills than held"
 
+    def allocated(self, host_indices: torch.Tensor) -> bool:
+        return self.allocator.is_allocated(host_indices)
+
+    def free(self, host_indices: torch.Tensor) -> None:
+        self.allocator.free(host_indices)
+
+    def spoiled(self, host_indices: torch.Tensor) -> bool:
+        return False
+
     def in_use(self, host_indices: torch.Tensor) -> bool:
         return bool(self.held[host_indices].any())
 

@@ -280,13 +280,13 @@ async def test_a_backup_that_fails_after_queuing_settles_before_its_host_slots_g
         stream = c._write_stream.cuda_stream if c._write_stream else None
         assert stream is not None
         freed_while_running: list[bool] = []
-        free = c.host_allocator.free
+        free = c.host_allocator.free_pages  # what the ledger frees through
 
-        def watched_free(indices: torch.Tensor, *a: Any, **k: Any) -> Any:
+        def watched_free(pages: Any, *a: Any, **k: Any) -> Any:
             freed_while_running.append(not stream.query())
-            return free(indices, *a, **k)
+            return free(pages, *a, **k)
 
-        c.host_allocator.free = watched_free  # type: ignore[method-assign]
+        c.host_allocator.free_pages = watched_free  # type: ignore[method-assign]
 
         def faulty(plan: TransferPlan) -> None:
             spin(cycles_per_ms)
