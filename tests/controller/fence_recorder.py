@@ -31,6 +31,11 @@ class FakeStream(torch.cuda.Stream):
     def __init__(self, name: str, device: torch.device) -> None:
         self.name = name
         self._device = device
+        self.waited: str | None = None
+
+    def wait_event(self, event: Any) -> None:
+        """A side stream that waits for ``event``: what it records next marks what ``event`` marked."""
+        self.waited = getattr(event, "label", repr(event))
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
@@ -51,7 +56,8 @@ class FakeEvent(torch.cuda.Event):
         self.finished = False
 
     def record(self, stream: Any = None) -> None:
-        self.label = getattr(stream, "name", repr(stream))
+        waited = getattr(stream, "waited", None)
+        self.label = waited if waited is not None else getattr(stream, "name", repr(stream))
 
     def query(self) -> bool:
         return self.finished
@@ -76,6 +82,8 @@ class FenceRecorder:
         device = controller.device_pool.device
         self.current = FakeStream("current", device)
         monkeypatch.setattr(controller, "_cuda", True)
+        # The side stream that pins a caller's event at submission (`ready_event`).
+        monkeypatch.setattr(controller, "_ready_stream", FakeStream("pin", device))
         monkeypatch.setattr(controller, "_pinned_indices", lambda indices: indices)
         monkeypatch.setattr(controller_module, "new_event", self._new_event)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
