@@ -1623,29 +1623,30 @@ class TierCache(AsyncResource):
             its storage hits.
         """
         n = match.storage_candidate_tokens
+        start = match.index.matched_length
         if not ctl.storage_attached:
             return 0, 0
         if n <= 0 or n < self.config.prefetch_threshold:
             # Decided from this rank's own index: with a TP group it still
-            # joins the agreement (with 0), so a rank that does prefetch never waits.
-            ctl.abstain_prefetch()
+            # joins the agreement (with what it holds), so a rank that does
+            # prefetch never waits, and no rank fetches past this one's prefix.
+            ctl.abstain_prefetch(start)
             return 0, 0
-        start = match.index.matched_length
         parent = match.index.last_node
         loop = asyncio.get_running_loop()
         began = loop.time()
         host = await self._prefetch_room(ctl, parent, n, self._prefetch_wait_s(policy, n))
         if host is None:
             # This rank cannot take part; with a TP group it still joins the
-            # hit-count agreement (with 0), or the other ranks would block in it.
-            ctl.abstain_prefetch()
+            # hit-count agreement (with what it holds), or the other ranks would block in it.
+            ctl.abstain_prefetch(start)
             return 0, 0
         if not parent.is_root:
             self.index.pin_host(parent)
         wanted = toks[start : start + n]
         op = None
         try:
-            op = ctl.prefetch(request_id, host, wanted, match.index.prior_hash)
+            op = ctl.prefetch(request_id, host, wanted, match.index.prior_hash, cached_tokens=start)
         finally:
             if op is None:  # nothing started (or refused): give back what was taken for it
                 ctl.ledger.host.free(self._pages(host))
@@ -1819,7 +1820,8 @@ class TierCache(AsyncResource):
                 self._notify_room()
             m = self._match(key, extra_key)
         elif prefetch:
-            self.controller.abstain_prefetch()  # TP: every rank joins each request's agreement
+            # TP: every rank joins each request's agreement, with the prefix it holds.
+            self.controller.abstain_prefetch(m.index.matched_length)
         prefix, handle = await self._load_back(m, own=0, fresh=True)
         node = self.index.match_prefix(
             key[: prefix.numel()], extra_key, touch=False, checked=True

@@ -52,6 +52,7 @@ from tiercache.storage_tier import (
     StorageTier,
     StorageTierConfig,
     StorageTierStats,
+    check_cached_tokens,
     check_storage_args,
     collective_device,
 )
@@ -1712,16 +1713,23 @@ class TierController(AsyncResource):
         host_indices: torch.Tensor,
         token_ids: Sequence[int],
         last_hash: str | None = None,
+        *,
+        cached_tokens: int = 0,
     ) -> PrefetchOperation | None:
         """Start a storage prefetch of ``token_ids`` into ``host_indices`` (see `StorageTier.prefetch`).
+
+        ``cached_tokens``: the tokens this rank already holds before
+        ``token_ids`` (its matched prefix). With a TP group the ranks agree
+        on where the prefix ends (the MIN of ``cached_tokens`` + storage
+        hits), so ranks whose caches differ still end with the same prefix.
 
         Returns ``None`` (the caller keeps its slots) when no backend is
         attached or prefetch is rate-limited. The arguments are checked in
         either case.
 
         Raises:
-            InvalidInputError: bad slots, tokens or ``last_hash`` (see
-                `check_storage_args`).
+            InvalidInputError: bad slots, tokens, ``last_hash`` or
+                ``cached_tokens`` (see `check_storage_args`).
             StateError: a copy or a storage call still uses some of
                 ``host_indices`` (the prefetch would overwrite its bytes).
         """
@@ -1729,24 +1737,34 @@ class TierController(AsyncResource):
         host, tokens = check_storage_args(
             self._slots, self.namespace, host_indices, token_ids, last_hash, fill=True
         )
+        cached_tokens = check_cached_tokens(cached_tokens, self.layout.page_size)
         if self.storage is None:
             return None
         host = host.clone() if host is host_indices else host  # it fills them later
-        return self.storage.prefetch(request_id, host, tokens, last_hash, checked=True)
+        return self.storage.prefetch(
+            request_id, host, tokens, last_hash, cached_tokens=cached_tokens, checked=True
+        )
 
-    def abstain_prefetch(self) -> None:
-        """With a TP group: take part in a prefetch's hit-count agreement without prefetching.
+    def abstain_prefetch(self, cached_tokens: int = 0) -> None:
+        """With a TP group: take part in a prefetch's agreements without prefetching.
 
         Every rank must make one agreement per prefetch. A rank that decides on
         its own not to call `prefetch` for a request the other ranks prefetch
-        (its host memory is full, say) calls this instead: it contributes 0
-        hits, so no rank loads that prefix. Without a TP group, or with no
-        backend attached, it does nothing. `prefetch` itself already abstains
-        when the backend is down or rate limited.
+        (its host memory is full, or it already holds the whole prefix) calls
+        this instead, with the tokens of the request it holds: the ranks then
+        fetch no further than that (with the default 0, no rank loads), and
+        a rank that holds the prefix lets the others fetch up to it. Without
+        a TP group, or with no backend attached, it does nothing. `prefetch`
+        itself already abstains when the backend is down or rate limited.
+
+        Raises:
+            InvalidInputError: ``cached_tokens`` is not a non-negative multiple
+                of the page size.
         """
         self._check_open()
+        cached_tokens = check_cached_tokens(cached_tokens, self.layout.page_size)
         if self.storage is not None:
-            self.storage.abstain()
+            self.storage.abstain(cached_tokens)
 
     def prefetch_rate_limited(self) -> bool:
         return self.storage is not None and self.storage.rate_limited()

@@ -89,13 +89,16 @@ def _observe_call(what: str, task: asyncio.Future[Any], seconds: float, source: 
 
 
 class _Abstain:
-    """A prefetch this rank did not start (storage down, rate limited): the query
-    loop still takes part in the hit-count agreement, with 0 hits."""
+    """A prefetch this rank did not start (storage down, rate limited, nothing to
+    fetch): the query loop still takes part in the hit-count agreement, with no
+    hits past the ``cached_tokens`` this rank already holds, and, when another
+    rank loads, in the agreement on the completed prefix."""
 
-    __slots__ = ("seq",)
+    __slots__ = ("seq", "cached_tokens")
 
-    def __init__(self, seq: int) -> None:
+    def __init__(self, seq: int, cached_tokens: int) -> None:
         self.seq = seq
+        self.cached_tokens = cached_tokens
 
 
 def collective_device(tp_group: Any, pool_device: torch.device) -> torch.device:
@@ -368,6 +371,7 @@ class PrefetchOperation(_Completion):
         *,
         page_size: int,
         on_handover: Callable[[int], None] | None = None,
+        cached_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.host_indices = host_indices
@@ -381,6 +385,9 @@ class PrefetchOperation(_Completion):
         self.start_time = time.monotonic()
         self.end_time: float | None = None
         self.page_size = page_size
+        #: The tokens the caller already holds before ``token_ids`` (its matched
+        #: prefix): with a TP group the ranks agree where the prefix ends.
+        self.cached_tokens = cached_tokens
         self._done = done
         self._frozen = False  # completed_tokens may no longer grow
         self._io_tasks: set[asyncio.Task[Any]] = set()
@@ -523,6 +530,25 @@ class _ArrivedPrefix:
             self._next += 1
 
 
+def check_cached_tokens(cached_tokens: object, page_size: int) -> int:
+    """``cached_tokens`` of `StorageTier.prefetch` / `StorageTier.abstain`, checked.
+
+    Raises:
+        InvalidInputError: not a non-negative int multiple of ``page_size``.
+    """
+    if (
+        isinstance(cached_tokens, bool)
+        or not isinstance(cached_tokens, int)
+        or cached_tokens < 0
+        or cached_tokens % page_size
+    ):
+        raise InvalidInputError(
+            f"cached_tokens must be a non-negative multiple of the page size ({page_size}), "
+            f"got {cached_tokens!r}"
+        )
+    return cached_tokens
+
+
 def check_storage_args(
     slots: HostSlots,
     namespace: StorageNamespace,
@@ -662,7 +688,7 @@ class StorageTier:
         # every rank however the ranks' storage calls are timed.
         self._seq = 0  # prefetch calls so far (abstentions included)
         self._agreements: Agreements | None = None
-        self._ends_queue: asyncio.Queue[PrefetchOperation | None] = asyncio.Queue()
+        self._ends_queue: asyncio.Queue[PrefetchOperation | _Abstain | None] = asyncio.Queue()
         self._ends_task: asyncio.Task[None] | None = None
         self._detach_wanted = False  # auto_detach under TP: proposed at the next agreement
         if tp_group is not None:
@@ -829,10 +855,16 @@ class StorageTier:
         token_ids: Sequence[int],
         prior_hash: str | None = None,
         *,
+        cached_tokens: int = 0,
         checked: bool = False,
     ) -> PrefetchOperation | None:
         """Start fetching ``token_ids``' pages from storage into ``host_indices``.
 
+        ``cached_tokens``: the tokens this rank already holds before
+        ``token_ids`` (a multiple of the page size). With a TP group the
+        ranks agree on where the prefix ends (the MIN over the ranks of
+        ``cached_tokens`` + storage hits), not on a hit count, so ranks whose
+        own caches hold different prefixes still end with the same one.
         ``checked``: the caller already passed the arguments through
         `check_storage_args` and hands over what it returned (CPU slots, a
         list of tokens): skip that pass.
@@ -853,14 +885,15 @@ class StorageTier:
                 self.slots, self.namespace, host_indices, token_ids, prior_hash, fill=True
             )
         )
+        cached_tokens = check_cached_tokens(cached_tokens, self.page_size)
         if self.down:
             self.stats.skipped_while_down += 1
-            self.abstain()
+            self.abstain(cached_tokens)
             return None
         cap = self.config.prefetch_capacity_tokens
         if cap is not None and self._held_tokens + host.numel() > cap and self._held_tokens > 0:
             self.stats.prefetch_rate_limited += 1
-            self.abstain()
+            self.abstain(cached_tokens)
             return None
         op = PrefetchOperation(
             request_id,
@@ -869,6 +902,7 @@ class StorageTier:
             prior_hash,
             self._loop.create_future(),
             page_size=self.page_size,
+            cached_tokens=cached_tokens,
         )
         op._seq = self._next_seq()
         self._held_tokens += op.num_tokens
@@ -899,16 +933,24 @@ class StorageTier:
         self._held_tokens = sum(op.num_tokens for op in self._ops)
         self._held_generation += 1
 
-    def abstain(self) -> None:
-        """With a TP group: this rank skips a prefetch, yet joins its agreement (with 0 hits).
+    def abstain(self, cached_tokens: int = 0) -> None:
+        """With a TP group: this rank skips a prefetch, yet joins its agreements.
 
         Every rank makes one collective per `prefetch` call, whether or not it
         started the prefetch, so a rank whose storage is down or rate limited
-        neither blocks the others nor desynchronises their collectives; the
-        MIN it contributes (0) revokes the prefetch on every rank.
+        neither blocks the others nor desynchronises their collectives. It
+        proposes that the prefix end at its ``cached_tokens`` (no hits past
+        what it holds): with the default 0 no rank loads; a rank that already
+        holds the prefix lets the others fetch up to it, and then joins the
+        agreement on the completed prefix too.
+
+        Raises:
+            InvalidInputError: ``cached_tokens`` is not a non-negative multiple
+                of the page size.
         """
+        cached_tokens = check_cached_tokens(cached_tokens, self.page_size)
         if self._agreements is not None:
-            self._query_queue.put_nowait(_Abstain(self._next_seq()))
+            self._query_queue.put_nowait(_Abstain(self._next_seq(), cached_tokens))
 
     def _next_seq(self) -> int:
         seq = self._seq
@@ -921,9 +963,12 @@ class StorageTier:
             if op is None:
                 return
             if isinstance(op, _Abstain):
-                _, healthy = await self._agree_hits(op.seq, 0)
+                cached = op.cached_tokens // self.page_size
+                end, low, healthy = await self._agree_hits(op.seq, cached, 0)
                 if not healthy:
                     return  # every rank stops here: the backend is detached on all
+                if self._group_loads(end, low):
+                    self._ends_queue.put_nowait(op)  # another rank loads: agree its end too
                 continue
             try:
                 if not await self._query(op):
@@ -964,15 +1009,15 @@ class StorageTier:
         """
         hit_pages = 0 if op._frozen else await self._count_hits(op)
         # Every rank makes exactly one agreement per prefetch call, whatever its data.
-        hit_pages, healthy = await self._agree_hits(op._seq, hit_pages)
+        cached = op.cached_tokens // self.page_size
+        end, low, healthy = await self._agree_hits(op._seq, cached, hit_pages)
+        hit_pages = max(0, end - cached) if healthy else 0
         hit_tokens = hit_pages * self.page_size
-        if not healthy:
-            hit_tokens = 0
         op.storage_hit_tokens = hit_tokens
         if not healthy:
             self._end(op, PrefetchState.REVOKED)
             return False
-        if hit_tokens < max(self.config.prefetch_threshold, 1):
+        if not self._group_loads(end, low):
             # Agreed on every rank: no rank loads, no completion to agree.
             if op._frozen:
                 self._end(op, PrefetchState.TERMINATED)
@@ -987,29 +1032,41 @@ class StorageTier:
             self._ends_queue.put_nowait(op)
         if op._frozen:
             self._end(op, PrefetchState.TERMINATED)
+        elif not hit_pages:
+            # Another rank holds less: this one already has the agreed prefix.
+            self.stats.prefetch_revoked += 1
+            self._end(op, PrefetchState.REVOKED)
         else:
             self.stats.prefetch_tokens_hit += hit_tokens
             op.state = PrefetchState.LOADING
             self._loads[op] = self.tasks.spawn(self._load(op, hit_pages), "a storage prefetch")
         return True
 
-    async def _agree_hits(self, seq: int, hit_pages: int) -> tuple[int, bool]:
-        """The MIN of the ranks' hit pages for prefetch call ``seq``, and whether every
-        rank keeps the backend (``False``: one proposes ``auto_detach``, and every
-        rank detaches it now). Without a TP group: this rank's own answer.
+    def _group_loads(self, end: int, low: int) -> bool:
+        """Whether, by the agreed prefix end and the lowest rank's cached pages (both
+        the same on every rank), the rank furthest behind loads: then every rank
+        agrees the completed prefix too."""
+        return (end - low) * self.page_size >= max(self.config.prefetch_threshold, 1)
+
+    async def _agree_hits(self, seq: int, cached: int, hit_pages: int) -> tuple[int, int, bool]:
+        """Where the prefix of prefetch call ``seq`` ends, in pages: the MIN over the
+        ranks of ``cached`` + ``hit_pages``; the MIN of the ranks' ``cached``; and
+        whether every rank keeps the backend (``False``: one proposes
+        ``auto_detach``, and every rank detaches it now). Without a TP group:
+        this rank's own answer.
 
         A failed agreement (a rank gone) is a miss, and the backend is detached.
         """
         agreements = self._agreements
         if agreements is None:
-            return hit_pages, True
-        proposal = Round(2 * seq, [hit_pages, 0 if self._detach_wanted else 1])
+            return cached + hit_pages, cached, True
+        proposal = Round(2 * seq, [cached + hit_pages, 0 if self._detach_wanted else 1, cached])
         try:
             job = agreements.agree(Agreements.HITS, proposal)
-            hits, healthy = await finish(asyncio.wrap_future(job))
+            end, healthy, low = await finish(asyncio.wrap_future(job))
         except Exception as e:
             logger.error("the TP hit-count agreement failed: %r; detaching the backend", e)
-            hits, healthy = 0, 0
+            end, healthy, low = cached, 0, cached
         if not healthy and not self._closing:
             self.down = True
             self.stats.auto_detaches += 1
@@ -1018,7 +1075,7 @@ class StorageTier:
                 self.backend.name,
             )
             self.slots.storage_failed(self)
-        return hits, bool(healthy)
+        return end, low, bool(healthy)
 
     async def _ends_loop(self) -> None:
         """Agree, prefetch by prefetch in call order, the tokens each one completed (MIN).
@@ -1034,18 +1091,22 @@ class StorageTier:
             op = await self._ends_queue.get()
             if op is None:
                 return
-            await op._ended_locally.wait()
-            proposal = Round(2 * op._seq + 1, [op.completed_tokens])
+            if isinstance(op, _Abstain):  # it holds its prefix; another rank loads
+                seq, end = op.seq, op.cached_tokens
+            else:
+                await op._ended_locally.wait()
+                seq, end = op._seq, op.cached_tokens + op.completed_tokens
             try:
-                job = agreements.agree(Agreements.ENDS, proposal)
+                job = agreements.agree(Agreements.ENDS, Round(2 * seq + 1, [end]))
                 (agreed,) = await finish(asyncio.wrap_future(job))
             except Exception as e:
                 logger.error("the TP completion agreement failed: %r; taking 0 tokens", e)
                 agreed = 0
+            if isinstance(op, _Abstain):
+                continue
             state = op._local_end
             assert state is not None
-            if agreed < op.completed_tokens:
-                op.completed_tokens = agreed
+            op.completed_tokens = max(0, min(op.completed_tokens, agreed - op.cached_tokens))
             self._finish(op, state)
 
     async def _load(self, op: PrefetchOperation, hit_pages: int) -> None:

@@ -10,7 +10,7 @@ import torch
 from tests.tp_ranks import run_ranks
 
 from tiercache import DeviceKVPool, HostKVPool, KVLayout, TierController
-from tiercache.errors import ConfigError
+from tiercache.errors import ConfigError, InvalidInputError
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 
@@ -56,6 +56,45 @@ async def test_a_rank_that_abstains_still_joins_the_agreement(tmp_path: Path) ->
     normal, abstained = results
     assert abstained["started"] == [False, False, False], abstained
     assert normal["agreed"] == [[0, 0]] * 3, normal
+
+
+async def test_a_rank_that_holds_the_prefix_lets_the_others_fetch_up_to_it(tmp_path: Path) -> None:
+    results = await _run_ranks(tmp_path, [(8, "normal"), (8, "holding")])
+    normal, holding = results
+    assert holding["started"] == [False, False, False], holding
+    # The ranks agree where the prefix ends (8 pages), not on a hit count.
+    assert normal["agreed"] == [[128, 128]] * 3, normal
+
+
+async def test_ranks_from_different_starts_fetch_up_to_the_same_end(tmp_path: Path) -> None:
+    results = await _run_ranks(tmp_path, [(8, "normal"), (8, "half")])
+    normal, half = results
+    assert normal["agreed"] == [[128, 128]] * 3, normal
+    assert half["agreed"] == [[64, 64]] * 3, half  # 64 held + 64 fetched: the same end
+
+
+async def test_ranks_from_different_starts_agree_the_end_when_one_holds_less(
+    tmp_path: Path,
+) -> None:
+    results = await _run_ranks(tmp_path, [(6, "normal"), (6, "half")])
+    normal, half = results
+    # Six pages stored: the prefix ends at page 6 on every rank.
+    assert normal["agreed"] == [[96, 96]] * 3, normal
+    assert half["agreed"] == [[32, 32]] * 3, half
+
+
+async def test_cached_tokens_that_are_not_whole_pages_are_refused() -> None:
+    lay = KVLayout(2, 2, 8, torch.float16, 16)
+    async with TierController(DeviceKVPool(lay, 64), HostKVPool(lay, 64)) as ctl:
+        await ctl.attach_storage_backend("memory://")
+        host = ctl.host_allocator.alloc(16)
+        assert host is not None
+        for bad in (-16, 8, 1.5, True, "16"):
+            with pytest.raises(InvalidInputError, match="cached_tokens"):
+                ctl.abstain_prefetch(bad)  # type: ignore[arg-type]
+            with pytest.raises(InvalidInputError, match="cached_tokens"):
+                ctl.prefetch("r", host, list(range(16)), cached_tokens=bad)  # type: ignore[arg-type]
+        assert ctl.host_allocator.available == 64 - 16  # nothing taken by a refusal
 
 
 def test_a_group_of_any_backend_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:

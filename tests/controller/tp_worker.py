@@ -4,7 +4,9 @@ prefetches 8, and prints the hit count the ranks agreed on.
 ``mode`` (optional fifth argument) changes what this rank's storage does:
 ``normal``; ``down``: its backend fails, so the tier marks it down and skips
 the next prefetches; ``limited``: it holds one prefetch, so the next one is
-rate limited; ``abstain``: it skips the prefetches and calls `abstain_prefetch`."""
+rate limited; ``abstain``: it skips the prefetches and calls `abstain_prefetch`;
+``holding``: it holds the 8 pages already, so it calls `abstain_prefetch` with
+them; ``half``: it holds the first 4 pages and prefetches the other 4."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tiercache import DeviceKVPool, HostKVPool, KVLayout, TierController
+from tiercache.index.hashing import page_hashes
 from tiercache.storage.faults import FaultyBackend
 from tiercache.storage.memory import MemoryBackend
 from tiercache.storage_tier import StorageTierConfig
@@ -80,6 +83,14 @@ async def main(rank: int, world: int, init: str, stored_pages: int, mode: str) -
             if mode == "abstain":  # this rank decides on its own not to prefetch
                 ctl.abstain_prefetch()
                 pf = None
+            elif mode == "holding":  # nothing to fetch: it holds the whole prefix
+                ctl.abstain_prefetch(8 * PS)
+                pf = None
+            elif mode == "half":  # it holds the first half: it fetches the rest
+                ctl.free_host(h[4 * PS :])
+                h = h[: 4 * PS]
+                prior = page_hashes(tokens[: 4 * PS], PS)[-1]
+                pf = ctl.prefetch("r", h, tokens[4 * PS :], prior, cached_tokens=4 * PS)
             else:
                 pf = ctl.prefetch("r", h, tokens)
             started.append(pf is not None)

@@ -13,7 +13,11 @@ again (`tests/tp/tp_divergence_worker.py`). The divergences:
   completion (before, rank 0 reported 128 where rank 1 reported 0);
 - rank 0 has nothing to fetch (it computed the prompts again after the
   restart), so its prefetches return early: it still joins every agreement,
-  with 0, so rank 1 fetches nothing rather than waiting for it.
+  with the prefix it holds, so rank 1 fetches up to there and both report
+  the whole prompt (before, rank 0 reported 128 where rank 1 reported 0);
+- rank 0 holds the first half of each prompt: the ranks agree where the
+  prefix ends, not how many pages each one hits, and each fetches from its
+  own start up to that end.
 """
 
 from __future__ import annotations
@@ -53,20 +57,25 @@ async def test_slow_storage_on_one_rank_gives_both_the_same_cached_tokens(tmp_pa
 
 async def test_a_rank_with_nothing_to_fetch_still_joins_the_agreement(tmp_path: Path) -> None:
     r0, r1 = await _ranks(tmp_path, "warm0")
-    assert r0["cached"] == [128] * 6  # computed again on this rank: a device hit
-    # Rank 0 returned early with 0: the agreed MIN is 0, so rank 1 loads nothing.
-    assert r1["cached"] == [0] * 6
+    # Rank 0 computed the prompts again (a device hit, nothing to fetch): it
+    # joins with the prefix it holds, so rank 1 fetches up to it from storage.
+    assert r0["cached"] == r1["cached"] == [128] * 6, (r0, r1)
+
+
+async def test_ranks_that_hold_different_prefixes_fetch_up_to_the_same_end(tmp_path: Path) -> None:
+    r0, r1 = await _ranks(tmp_path, "half0")
+    assert r0["cached"] == r1["cached"] == [128] * 6, (r0, r1)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("scenario", ["healthy", "fail0", "slow1"])
+@pytest.mark.parametrize("scenario", ["healthy", "fail0", "slow1", "warm0", "half0"])
 async def test_the_divergences_over_an_nccl_tp_group(tmp_path: Path, scenario: str) -> None:
     """The model's NCCL group passed as ``tp_group``: the agreements run over gloo
     groups of their own, never on a CUDA stream."""
     r0, r1 = await _ranks(tmp_path, scenario, "nccl")
     assert r0["cached"] == r1["cached"], (r0, r1)
-    if scenario == "healthy":
+    if scenario in ("healthy", "warm0", "half0"):
         assert r0["cached"] == [128] * 6
     if scenario == "fail0":
         assert r0["attached"] is r1["attached"] is False

@@ -10,6 +10,8 @@ same store serves the six prompts again, and the rank reports the
 - ``slow1``: rank 1's storage reads take 0.4 s (``timeout`` policy);
 - ``warm0``: after the restart rank 0 computes the prompts again (so it has
   nothing to prefetch: its prefetches return early), rank 1 does not;
+- ``half0``: after the restart rank 0 computes the first half of each prompt
+  again; both ranks then fetch up to the same end, from different starts;
 - ``healthy``: no divergence.
 
 ``BACKEND`` is ``gloo`` (the default, CPU pools) or ``nccl`` (one GPU per
@@ -58,8 +60,9 @@ def config(rank: int, world: int, scenario: str, device: str) -> TierCacheConfig
     )
 
 
-async def fill(cache: TierCache, prefetch: bool = True) -> None:
-    for prompt in PROMPTS:
+async def fill(cache: TierCache, prefetch: bool = True, tokens: int | None = None) -> None:
+    for whole in PROMPTS:
+        prompt = whole if tokens is None else whole[:tokens]
         async with cache.request(prompt, prefetch=prefetch) as req:
             new = await req.alloc(len(prompt) - req.cached_tokens)
             await req.commit(prompt, torch.cat([req.prefix_indices, new]))
@@ -93,6 +96,10 @@ async def main(
             # This rank computes the prompts again (no prefetch, no agreement):
             # it then has nothing to fetch, and its prefetches return early.
             await fill(cache, prefetch=False)
+        if scenario == "half0" and rank == 0:
+            # This rank computes the first half of each prompt again: it then
+            # fetches the second half from storage, rank 1 the whole prompt.
+            await fill(cache, prefetch=False, tokens=64 + 1)
         await serve(cache, report)
     dist.destroy_process_group()
     return report
