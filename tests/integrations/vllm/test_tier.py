@@ -475,14 +475,35 @@ def test_tiercache_never_imports_vllm() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_readme_kv_transfer_config_builds_the_tier(tmp_path: Path) -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    (flag,) = re.findall(r"--kv-transfer-config '([^']+)'", readme)
+def _documented_kv_transfer_configs() -> list[tuple[str, str]]:
+    """Every ``--kv-transfer-config`` the README and the docs give, with where it is."""
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = page.read_text(encoding="utf-8")
+        for flag in re.findall(r"--kv-transfer-config '([^']+)'", text):
+            found.append((str(page.relative_to(ROOT)), flag))
+    return found
+
+
+def test_the_readme_and_the_vllm_guide_give_a_kv_transfer_config() -> None:
+    pages = {page for page, _ in _documented_kv_transfer_configs()}
+    assert {"README.md", "docs/guides/vllm.md"} <= pages
+
+
+@pytest.mark.parametrize(
+    "page, flag",
+    _documented_kv_transfer_configs(),
+    ids=lambda v: v if v.endswith(".md") else "",
+)
+def test_every_documented_kv_transfer_config_builds_the_tier(
+    page: str, flag: str, tmp_path: Path
+) -> None:
     config = KVTransferConfig(**json.loads(flag))  # vLLM's own validation
     assert config.kv_connector == "OffloadingConnector"
     extra = dict(config.kv_connector_extra_config)
     assert extra.pop("spec_name") == "TieringOffloadingSpec"
     (tier,) = extra["secondary_tiers"]
+    assert tier["url"].split("://")[0] in {"file", "tiercache+unix"}, page
     tier = {**tier, "url": f"file://{tmp_path}"}  # the same entry, on a writable path
     spec = TieringOffloadingSpec(offloading_config([tier]))
     manager = spec.get_manager()
