@@ -80,8 +80,8 @@ def _merged(ops: list[_Operation]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([o.host_indices for o in ops]), torch.cat([o.device_indices for o in ops])
 
 
-def _settled(error: BaseException | None) -> concurrent.futures.Future[None]:
-    """A finished future with ``error`` (or a result, when ``None``)."""
+def _finished(error: BaseException | None) -> concurrent.futures.Future[None]:
+    """A new finished future with ``error`` (or a result, when ``None``)."""
     fut: concurrent.futures.Future[None] = concurrent.futures.Future()
     fut.set_running_or_notify_cancel()
     if error is None:
@@ -89,6 +89,17 @@ def _settled(error: BaseException | None) -> concurrent.futures.Future[None]:
     else:
         fut.set_exception(error)
     return fut
+
+
+#: The finished future of every copy that succeeded: nothing waits on a
+#: finished future or keeps a callback on it (one added runs at once), so one
+#: serves them all, and a copy does not pay for a new lock and condition.
+_SUCCEEDED = _finished(None)
+
+
+def _settled(error: BaseException | None) -> concurrent.futures.Future[None]:
+    """A finished future with ``error`` (`_SUCCEEDED` when ``None``)."""
+    return _SUCCEEDED if error is None else _finished(error)
 
 
 def _wait_exception(fut: concurrent.futures.Future[None]) -> BaseException | None:
@@ -518,19 +529,14 @@ class CopyScheduler:
         if inline_ok and nbytes <= self.inline_copy_bytes and not stream.is_cuda and stream.idle:
             # A copy this small takes less time than waking the worker
             # thread and the loop again: run it here.
-            cf: concurrent.futures.Future[None] = concurrent.futures.Future()
-            cf.set_running_or_notify_cancel()
             error: BaseException | None = None
             try:
                 stream.run_inline(job)
             except BaseException as e:
                 error = e
-                cf.set_exception(e)
-            else:
-                cf.set_result(None)
             self._inflight += 1
             loop.call_soon(self._finish, error, ops, wjob, handle)
-            return cf
+            return _settled(error)
         try:
             cf = stream.submit(job)
         except BaseException as e:
@@ -538,10 +544,7 @@ class CopyScheduler:
                 handle.layers.mark_failed(e)
             self._inflight += 1
             loop.call_soon(self._finish, e, ops, wjob, handle)
-            cf = concurrent.futures.Future()
-            cf.set_running_or_notify_cancel()
-            cf.set_exception(e)
-            return cf
+            return _settled(e)
         self._inflight += 1
 
         def settled(f: concurrent.futures.Future[None]) -> None:  # a worker thread
