@@ -11,6 +11,13 @@ at submission (by default one recorded in the submitting call on the
 caller's current stream of the pool's device), and a copy job's slots are
 released only once everything it queued has finished, whether it succeeded
 or failed. See "CUDA streams and lifetimes" in the README.
+
+The controller keeps the verbs and checks their arguments before anything
+changes; the work is done beside it: the write and load queues, jobs and
+streams by `CopyScheduler` (copy_scheduler.py), the storage tier and its
+verbs by `StorageLink` and `StorageVerbs` (storage_link.py), the resolution
+of ``ready`` by `ReadyFences` (ready_fences.py). `CopyAck`, `LoadHandle`
+and `ControllerStats` live in acks.py and are re-exported here.
 """
 
 from __future__ import annotations

@@ -576,9 +576,9 @@ class CopyScheduler:
         if wjob is not None:
             self._write_jobs.discard(wjob)
             # The stream's future keeps the callback that settled it, and that
-            # callback refers to this job: a cycle through the controller (and
-            # its pools) that only the garbage collector would free. A settled
-            # copy of the future carries the outcome on instead.
+            # callback refers to this job: a cycle through the scheduler (and
+            # the pools of its engine) that only the garbage collector would
+            # free. A settled copy of the future carries the outcome on instead.
             wjob.settled = _settled(error)
         for op in ops:
             self._release(op)
