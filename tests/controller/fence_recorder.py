@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-import tiercache.controller as controller_module
+import tiercache.ready_fences as ready_fences_module
 from tiercache import TierController
 from tiercache.transfer.engine import CopyEngine
 from tiercache.transfer.streams import CopyStream
@@ -81,11 +81,11 @@ class FenceRecorder:
         self.events: list[FakeEvent] = []
         device = controller.device_pool.device
         self.current = FakeStream("current", device)
-        monkeypatch.setattr(controller, "_cuda", True)
+        monkeypatch.setattr(controller._fences, "_cuda", True)
         # The side stream that pins a caller's event at submission (`ready_event`).
-        monkeypatch.setattr(controller, "_ready_stream", FakeStream("pin", device))
-        monkeypatch.setattr(controller, "_pinned_indices", lambda indices: indices)
-        monkeypatch.setattr(controller_module, "new_event", self._new_event)
+        monkeypatch.setattr(controller._fences, "_ready_stream", FakeStream("pin", device))
+        monkeypatch.setattr(controller._copies, "_pinned_indices", lambda indices: indices)
+        monkeypatch.setattr(ready_fences_module, "new_event", self._new_event)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
         log = self.log
 

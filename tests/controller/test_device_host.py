@@ -620,7 +620,7 @@ async def test_tiny_copies_run_inline_on_an_idle_cpu_stream_and_stay_correct() -
         assert src is not None
         expect = kv_at(c, src)
         calls: list[str] = []
-        for stream in (c._write_stream, c._load_stream):
+        for stream in (c._copies.write_stream, c._copies.load_stream):
             assert stream is not None
             real = stream.submit
             stream.submit = lambda job, real=real: (calls.append("thread"), real(job))[1]  # type: ignore[method-assign]

@@ -11,7 +11,6 @@ import torch
 
 from tiercache import DeviceKVPool, HostKVPool, KVLayout, TierCache, TierCacheConfig, TierController
 from tiercache.errors import (
-    BackendUnavailableError,
     ConfigError,
     InvalidInputError,
     StateError,
@@ -409,10 +408,11 @@ async def test_prefetch_when_not_open_or_detached_errors() -> None:
     c = make()
     with pytest.raises(StateError):
         c.prefetch("r", torch.arange(PS), list(range(PS)))
-    async with c:
-        assert c._tier is not None
-        with pytest.raises(BackendUnavailableError):
-            c._tier()
+    async with c:  # no backend attached: nothing starts, the caller keeps its slots
+        host = c.host_allocator.alloc(PS)
+        assert host is not None and c.storage is None
+        assert c.prefetch("r", host, list(range(PS))) is None
+        assert c.free_host(host) == PS
 
 
 async def test_a_detach_in_the_same_loop_turn_ends_every_operation_and_frees_its_slots(

@@ -186,7 +186,7 @@ async def test_wait_layer_device_waits_on_the_pools_device_from_a_thread_on_anot
             host = await c.backup(src)
             assert host is not None
             fill(c, src, 0.0)
-            load_stream = c._load_stream.cuda_stream if c._load_stream else None
+            load_stream = c._copies.load_stream.cuda_stream if c._copies.load_stream else None
             assert load_stream is not None
             with torch.cuda.stream(load_stream):
                 spin(cycles_per_ms)  # the load's copies run late
@@ -240,7 +240,7 @@ async def test_a_load_that_fails_mid_job_settles_before_it_reports(cycles_per_ms
         c.free_device(src)
         free_before = c.device_allocator.available
         original = c.engine.load_layer
-        stream = c._load_stream.cuda_stream if c._load_stream else None
+        stream = c._copies.load_stream.cuda_stream if c._copies.load_stream else None
         assert stream is not None
 
         def faulty(layer: int, plan: TransferPlan) -> None:
@@ -277,7 +277,7 @@ async def test_a_backup_that_fails_after_queuing_settles_before_its_host_slots_g
         fill(c, src, 6.0)
         host_free = c.host_allocator.available
         original = c.engine.backup_all_layers
-        stream = c._write_stream.cuda_stream if c._write_stream else None
+        stream = c._copies.write_stream.cuda_stream if c._copies.write_stream else None
         assert stream is not None
         freed_while_running: list[bool] = []
         free = c.host_allocator.free_pages  # what the ledger frees through
