@@ -51,7 +51,6 @@ KNOWN_PRIVATE_ACCESS: frozenset[tuple[str, str]] = frozenset()
 #: when listed. A listed class may only shrink; once under its limit it must
 #: leave the list.
 KNOWN_OVERSIZE: dict[tuple[str, str], int] = {
-    ("tiercache/cache.py", "TierCache"): 1649,
     ("tiercache/controller.py", "TierController"): 1402,
     ("tiercache/storage_tier.py", "StorageTier"): 812,
 }
@@ -448,6 +447,9 @@ SIZED_MODULES = (
     "tiercache.operations",
     "tiercache.write_policy",
     "tiercache.copy_scheduler",
+    "tiercache.prefetcher",
+    "tiercache.insertion",
+    "tiercache.cache_values",
 )
 CLASS_LIMIT = 700
 LIMITS = {("tiercache/cache.py", "TierCache"): 600}
