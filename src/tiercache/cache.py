@@ -490,7 +490,7 @@ class TierCache(AsyncResource):
         """Device slots for ``num_tokens`` (a multiple of the page size), evicting LRU nodes if needed.
 
         When the pool is short only because other requests or copies hold
-        slots, waits for them (see `_take_room`): first come, first served,
+        slots, waits for them (see `tiercache.room`): first come, first served,
         up to ``config.alloc_timeout_s``. Cancelling the caller while it waits
         takes nothing.
 
