@@ -303,7 +303,6 @@ class TierCache(AsyncResource):
         self.tasks = TaskGroup("cache")
         self._ops = Operations(self.tasks)  # what it has in flight: loads, backups, tasks
         self._parts: _Parts | None = None  # what the verbs delegate to, while open
-        self._port = _RequestPort(self)
         # Locks taken with `lock` and not yet released by `unlock`, per node.
         self._locks: dict[Node, int] = {}
         # The loop that opened the cache: every verb runs on it (see `_check`).
@@ -805,11 +804,12 @@ class TierCache(AsyncResource):
             key[: prefix.numel()], extra_key, touch=False, checked=True
         ).last_device_node
         p.room.hold(node)
-        lease = RequestLease(self._port, node)
+        port = _RequestPort(self)  # the request's, not the cache's: no cycle back to the cache
+        lease = RequestLease(port, node)
         loads = [handle] if handle is not None else []
         loads += [h for h in p.loads.over(prefix) if h is not handle]
         self._stats.count_request(len(toks), first_device, int(prefix.numel()), storage_hits)
-        return Request(self._port, lease, toks, extra_key, prefix, loads), lease
+        return Request(port, lease, toks, extra_key, prefix, loads), lease
 
     # -- flush, stats, waiting ----------------------------------------------------
 
