@@ -51,7 +51,6 @@ KNOWN_PRIVATE_ACCESS: frozenset[tuple[str, str]] = frozenset()
 #: when listed. A listed class may only shrink; once under its limit it must
 #: leave the list.
 KNOWN_OVERSIZE: dict[tuple[str, str], int] = {
-    ("tiercache/cache.py", "TierCache"): 1649,
     ("tiercache/storage_tier.py", "StorageTier"): 812,
 }
 
@@ -450,6 +449,9 @@ SIZED_MODULES = (
     "tiercache.acks",
     "tiercache.ready_fences",
     "tiercache.storage_link",
+    "tiercache.prefetcher",
+    "tiercache.insertion",
+    "tiercache.cache_values",
 )
 CLASS_LIMIT = 700
 LIMITS = {("tiercache/cache.py", "TierCache"): 600}

@@ -7,15 +7,17 @@ failed load took away that this load still writes) and gives it back in one
 `LoadOp.settle`: on failure it hands its nodes back to the host tier; either
 way it frees what nobody owns once the copy has settled, then unlocks. The
 registry answers what a prefix waits on: which loads fill which slots, and
-where the landed part of a match ends.
+where the landed part of a match ends, and starts the loads of
+`TierCache.load_back` (`LoadBacks.load`, `LoadBacks.with_loads`).
 
-Everything runs on the cache's loop thread, synchronously (no await).
+Everything runs on the cache's loop thread; the bookkeeping is synchronous
+(no await inside a decision).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,9 +28,15 @@ from tiercache.errors import StateError
 from tiercache.index.radix import MatchResult, Node, RadixIndex
 from tiercache.ledger import Lease, Owner
 
-__all__ = ["LoadBacks", "LoadOp"]
+__all__ = ["LoadBacks", "LoadOp", "Started", "TakeRoom"]
 
 logger = logging.getLogger(__name__)
+
+#: What `LoadBacks.start` returns: the load's ack and handle, ``(None, None)``
+#: when there was nothing left to load, ``None`` when the device is full.
+Started = tuple[CopyAck, LoadHandle] | tuple[None, None]
+#: ``take_room(need, take)``: runs ``take`` once ``need()`` device slots can be had.
+TakeRoom = Callable[[Callable[[], int], Callable[[], Started | None]], Awaitable[Started]]
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -65,7 +73,7 @@ class LoadOp:
             loads.roll_back(self)
         self._free_orphans(loads.controller)
         try:
-            loads.index.unlock(self.target)
+            loads.unlock(self.target)  # wakes the room waiters
         except StateError:
             pass  # flushed meanwhile
 
@@ -98,7 +106,7 @@ class LoadBacks:
         index: the cache's prefix index.
         controller: the cache's controller (its ledger owns the pages).
         is_open: whether the cache is still open (a closed one settles nothing).
-        released: called after a load settled (room may have appeared).
+        unlock: drops an index lock and wakes the room waiters (`RoomBroker.release`).
     """
 
     def __init__(
@@ -106,12 +114,12 @@ class LoadBacks:
         index: RadixIndex,
         controller: TierController,
         is_open: Callable[[], bool],
-        released: Callable[[], None],
+        unlock: Callable[[Node], None],
     ) -> None:
         self.index = index
         self.controller = controller
         self._is_open = is_open
-        self._released = released
+        self.unlock = unlock
         self._ops: dict[CopyAck, LoadOp] = {}
 
     def __bool__(self) -> bool:
@@ -120,7 +128,7 @@ class LoadBacks:
     def __len__(self) -> int:
         return len(self._ops)
 
-    def start(self, target: Node) -> tuple[CopyAck, LoadHandle] | tuple[None, None] | None:
+    def start(self, target: Node) -> Started | None:
         """Start loading the host-only path down to ``target`` (locked by the caller; no await).
 
         Returns:
@@ -158,7 +166,6 @@ class LoadBacks:
             if op.handle.done():
                 del self._ops[ack]
                 op.settle(self)
-                self._released()
 
     def roll_back(self, failed: LoadOp) -> None:
         """Take from the index every node that claims slots of ``failed``, and what hangs under it.
@@ -241,3 +248,79 @@ class LoadBacks:
             if mine or overlap(op.device_indices, cached):
                 out.append((op.handle, mine))
         return out
+
+    async def load(
+        self, target: Node, lock: Callable[[Node], None], take_room: TakeRoom
+    ) -> LoadHandle | None:
+        """Load the host-only path down to ``target`` once device room is had.
+
+        ``lock`` locks ``target`` first (`RoomBroker.hold`); the lock is the
+        load's until it settles; when none started, or on any error, it is
+        dropped here. ``take_room(need, take)`` runs ``take`` once ``need()``
+        device slots can be had (`room.DeviceRoom.take`).
+
+        Returns:
+            The load's handle, or ``None`` when a concurrent call loaded the path meanwhile.
+
+        Raises:
+            StateError: ``target`` is no longer in the index (match again).
+            CapacityError: no device room (see `TierCache.alloc_device`).
+        """
+        try:
+            lock(target)
+        except StateError as e:
+            raise StateError("the index changed since this match: match again") from e
+
+        def need() -> int:
+            return sum(n.num_tokens for n in self.index.load_path(target))
+
+        try:
+            ack, handle = await take_room(need, lambda: self.start(target))
+        except BaseException:
+            self.unlock(target)
+            raise
+        if ack is None:
+            self.unlock(target)
+        return handle
+
+    async def with_loads(
+        self,
+        target: Node,
+        extra_key: str | None,
+        handle: LoadHandle | None,
+        recheck: Callable[[], object],
+        *,
+        wait: bool = True,
+    ) -> tuple[torch.Tensor, LoadHandle | None]:
+        """The device slots of the prefix down to ``target``, and the handle their bytes wait on.
+
+        ``handle`` is the caller's own load, if it started one. Slots that
+        other loads still fill are only handed out with a handle that
+        covers them: with no load of its own and one other in flight, that
+        load's handle; with more, the call waits for all but the last
+        (its own comes last). ``recheck`` runs after each wait (the facade's
+        check: open, no background failure). Without ``wait`` (`TierCache.request`,
+        which collects every load its prefix waits on itself) it returns at once.
+
+        Raises:
+            StateError: a load this prefix waited for failed (its nodes went
+                back to the host tier): match again.
+        """
+        while True:
+            prefix = self.index.match_prefix(
+                self.index.prefix_tokens(target), extra_key, touch=False, checked=True
+            ).device_indices
+            if not wait:
+                return prefix, handle
+            others = self.over(prefix, but=handle)
+            if not others or (handle is None and len(others) == 1):
+                return prefix, handle if handle is not None else (others[0] if others else None)
+            earlier = others if handle is not None else others[:-1]
+            for h in earlier:
+                try:
+                    await h
+                except Exception as e:
+                    raise StateError(
+                        f"the load back of this prefix failed ({e!r}): match again"
+                    ) from e
+            recheck()

@@ -614,7 +614,7 @@ class CacheModel(RuleBasedStateMachine):
         books = ctl.ledger
         books.check_invariants()
         assert books.device.tokens_owned(Owner.INDEX) == index.total_device_tokens()
-        assert not cache._pending_loads
+        assert not cache._ops.loads
         if not self.held:
             assert books.device.tokens_owned(Owner.REQUEST) == 0
         for node in index.nodes():

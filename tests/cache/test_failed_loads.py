@@ -72,7 +72,7 @@ def check_clean(cache: TierCache) -> None:
     ctl.ledger.check_invariants()
     assert ctl.ledger.device.tokens_owned(Owner.INDEX) == cache.index.total_device_tokens()
     assert not any(n.lock_ref for n in cache.index.nodes())
-    assert not cache._pending_loads
+    assert not cache._ops.loads
 
 
 @contextlib.contextmanager

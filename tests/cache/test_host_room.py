@@ -135,7 +135,7 @@ async def test_a_write_waiting_for_host_room_gives_up_at_the_timeout() -> None:
         await put(cache, b, 2.0)
         # It gives up at its deadline (0.2 s), not when the gate opens: allow a loaded machine slack.
         async with asyncio.timeout(5):
-            while cache._host_queue or cache._deferred_writes:  # noqa: ASYNC110 (a bounded wait on private state)
+            while cache._parts.room.host or cache._ops.deferred_writes:  # noqa: ASYNC110 (a bounded wait on private state)
                 await asyncio.sleep(0.02)
         assert not backend.gate.is_set()
         assert host_kv(cache, b) is None  # it stays device-only
@@ -181,7 +181,7 @@ async def test_a_cancelled_host_waiter_takes_nothing() -> None:
             await task
         except asyncio.CancelledError:
             pass
-        assert not cache._host_queue
+        assert not cache._parts.room.host
         backend.gate.set()
         await cache.wait_idle()
         assert await cache.evict_host(64) == 64

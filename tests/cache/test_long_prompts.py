@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import tiercache.cache as cache_module
+import tiercache.insertion as insertion_module
 from tiercache import TierCache, TierCacheConfig
 from tiercache.errors import InvalidInputError
 from tiercache.index import page_hashes
@@ -46,7 +46,7 @@ async def test_a_long_prompt_is_hashed_off_the_loop_into_the_same_chain(
         threads.append(threading.get_ident())
         return page_hashes(*args)
 
-    monkeypatch.setattr(cache_module, "page_hashes", recording)
+    monkeypatch.setattr(insertion_module, "page_hashes", recording)
     async with TierCache(config()) as c:
         short = list(range(1000, 1000 + 2 * PS))
         await c.insert(short, await c.alloc_device(len(short)), extra_key)

@@ -57,14 +57,14 @@ async def test_one_pass_starts_every_write_back_and_a_node_locked_meanwhile_stay
         monkeypatch.setattr(CopyEngine, "backup_all_layers", gated)
         waits: list[int] = []
         waiting = asyncio.Event()
-        real_wait = cache._wait_write_backs
+        real_wait = cache._parts.device.wait_write_backs
 
         async def counted(writes: Any, failed: set[int]) -> None:
             waits.append(len(writes))
             waiting.set()
             await real_wait(writes, failed)
 
-        monkeypatch.setattr(cache, "_wait_write_backs", counted)
+        monkeypatch.setattr(cache._parts.device, "wait_write_backs", counted)
         evicting = asyncio.ensure_future(cache.evict_device(128))
         async with asyncio.timeout(10):
             await waiting.wait()

@@ -85,7 +85,7 @@ def snapshot(cache: TierCache, req: Request | None = None) -> Any:
         ctl.host_allocator._allocated.tolist(),
     )
     if req is not None:
-        held = ctl.ledger.device.request_pages(req).tolist()
+        held = ctl.ledger.device.request_pages(req._lease).tolist()
         out += (req._committed, held, req.cached_tokens)
     return out
 
@@ -260,7 +260,7 @@ async def test_requests_that_all_hold_and_wait_for_room_do_not_wait_for_the_time
         assert sorted(results) == ["refused", "served", "served"]
         await c.wait_idle()
         check_accounting(c)
-        assert not c._blocked and c._open_requests == 0
+        assert not c._parts.device.blocked and c._parts.room.open_requests == 0
 
 
 # -- waiting for room: fair, cancellable, bounded --------------------------------------
@@ -310,7 +310,7 @@ async def test_waiters_are_served_first_come_first_served_and_cancel_cleanly() -
         assert got == [0, 2, 3], got
         assert tasks[1].cancelled()
         assert c.controller.device_allocator.used == 0
-        assert not c._device_queue
+        assert not c._parts.room.device
 
 
 # -- one answer for one input ------------------------------------------------------------

@@ -27,6 +27,21 @@ from tiercache.transfer.engine import CopyEngine
 
 PS = 16
 HOLD_ROUNDS = 6  # x 0.03 s of real time holding the room: a poller would look many times
+#: The facade and the objects it delegates to: none of them may sleep on a timer.
+FACADE_MODULES = frozenset(
+    f"tiercache.{m}"
+    for m in (
+        "cache",
+        "room",
+        "evictor",
+        "write_policy",
+        "operations",
+        "prefetcher",
+        "insertion",
+        "loads",
+        "request",
+    )
+)
 
 
 def config(**kw: Any) -> TierCacheConfig:
@@ -55,7 +70,7 @@ def no_timers(monkeypatch: pytest.MonkeyPatch) -> list[float]:
         raise AssertionError("a room waiter must not wait with a timeout")
 
     async def recording_sleep(delay: float, *args: Any) -> Any:
-        if delay > 0 and sys._getframe(1).f_globals.get("__name__") == "tiercache.cache":
+        if delay > 0 and sys._getframe(1).f_globals.get("__name__") in FACADE_MODULES:
             timed.append(delay)
         return await real_sleep(delay, *args)
 
@@ -65,15 +80,19 @@ def no_timers(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 def count_turns(cache: TierCache, monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
-    """Count the calls of the cache's method ``name`` (a waiter's turn at the room)."""
+    """Count a waiter's turns at the room: ``"device"`` the device queue head's
+    (`DeviceRoom.turn`), ``"host"`` the host room's attempts (`RoomBroker.make_host_room`)."""
+    parts = cache._parts
+    assert parts is not None
+    obj, method = (parts.device, "turn") if name == "device" else (parts.room, "make_host_room")
     calls = [0]
-    real: Callable[..., Any] = getattr(cache, name)
+    real: Callable[..., Any] = getattr(obj, method)
 
     def counted(*args: Any, **kw: Any) -> Any:
         calls[0] += 1
         return real(*args, **kw)
 
-    monkeypatch.setattr(cache, name, counted)
+    monkeypatch.setattr(obj, method, counted)
     return calls
 
 
@@ -112,7 +131,7 @@ async def test_a_request_that_ends_wakes_the_device_waiter(
     monkeypatch: pytest.MonkeyPatch, no_timers: list[float]
 ) -> None:
     async with TierCache(config()) as cache:
-        turns = count_turns(cache, monkeypatch, "_make_device_room")
+        turns = count_turns(cache, monkeypatch, "device")
         async with cache.request(list(range(5))) as req:
             await req.alloc(64)  # the whole device, outside the index
             waiter = asyncio.ensure_future(cache.alloc_device(32))
@@ -127,7 +146,7 @@ async def test_freed_slots_wake_the_device_waiter(
     monkeypatch: pytest.MonkeyPatch, no_timers: list[float]
 ) -> None:
     async with TierCache(config()) as cache:
-        turns = count_turns(cache, monkeypatch, "_make_device_room")
+        turns = count_turns(cache, monkeypatch, "device")
         mine = await cache.alloc_device(64)
         waiter = asyncio.ensure_future(cache.alloc_device(64))
         await hold_a_while()
@@ -144,7 +163,7 @@ async def test_a_settled_copy_wakes_the_device_waiter(
     async with TierCache(config()) as cache:
         gate = Gate(monkeypatch, cache, "backup_all_layers")
         await fill(cache, list(range(64)))  # its write-through holds it on the device
-        turns = count_turns(cache, monkeypatch, "_make_device_room")
+        turns = count_turns(cache, monkeypatch, "device")
         waiter = asyncio.ensure_future(cache.alloc_device(64))
         await hold_a_while()
         assert not waiter.done() and turns[0] == 1
@@ -166,7 +185,7 @@ async def test_a_settled_load_wakes_the_device_waiter(
         gate = Gate(monkeypatch, cache, "load_layer")
         _, handle = await cache.load_back(cache.match_prefix(tokens))
         assert handle is not None and not handle.done()  # locked until it lands
-        turns = count_turns(cache, monkeypatch, "_make_device_room")
+        turns = count_turns(cache, monkeypatch, "device")
         waiter = asyncio.ensure_future(cache.alloc_device(64))
         await hold_a_while()
         assert not waiter.done() and turns[0] == 1
@@ -187,7 +206,7 @@ async def test_an_ended_backup_wakes_the_host_waiter(
         await cache.controller.wait_idle()  # A's host write; its backup waits at the gate
         await asyncio.sleep(0)
         assert await cache.evict_device(256) == 64  # A is host-only, pinned by its backup
-        turns = count_turns(cache, monkeypatch, "_make_host_room")
+        turns = count_turns(cache, monkeypatch, "host")
         await fill(cache, list(range(2000, 2064)))  # its write-through waits for host room
         await hold_a_while()
         waited = turns[0]
@@ -222,19 +241,19 @@ async def test_a_deadline_timer_that_fires_early_still_ends_the_wait(
     the waiter must still give up, not sleep on with no timer left to wake it."""
     import types
 
-    import tiercache.cache as cache_module
+    import tiercache.room as room_module
 
     loop = asyncio.get_running_loop()
     early = types.SimpleNamespace(**vars(asyncio))
     early.get_running_loop = lambda: _EarlyTimers(loop)
-    monkeypatch.setattr(cache_module, "asyncio", early)
+    monkeypatch.setattr(room_module, "asyncio", early)
     attempts: list[int] = []
 
     async def never() -> None:
         attempts.append(1)
         return None
 
-    queue = cache_module._RoomQueue()
+    queue = room_module.RoomQueue()
     async with asyncio.timeout(2):
         assert await queue.serve(never, loop.time() + 60.0) is None
     assert attempts and len(queue) == 0
@@ -266,16 +285,16 @@ async def test_a_call_that_needs_no_device_room_does_not_queue_behind_a_waiter(
         gate = Gate(monkeypatch, cache, "backup_all_layers")
         # The head of the queue evicts for its room, and waits for that write back.
         waiting = asyncio.Event()
-        real_wait = cache._wait_write_backs
+        real_wait = cache._parts.device.wait_write_backs
 
         async def wait_write_backs(writes: Any, failed: set[int]) -> None:
             waiting.set()
             await real_wait(writes, failed)
 
-        monkeypatch.setattr(cache, "_wait_write_backs", wait_write_backs)
+        monkeypatch.setattr(cache._parts.device, "wait_write_backs", wait_write_backs)
         waiter = asyncio.ensure_future(cache.alloc_device(16))
         await settle(waiting.wait())
-        assert len(cache._device_queue) == 1
+        assert len(cache._parts.room.device) == 1
         loop = asyncio.get_running_loop()
         began = loop.time()
         again, none = await settle(cache.load_back(stale))
