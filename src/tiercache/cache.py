@@ -253,11 +253,11 @@ class TierCache(AsyncResource):
     """A tiered KV cache: device pool, host pool and an optional storage backend.
 
     Args:
-        config: the configuration (default: `TierCacheConfig()`); keyword
-            ``overrides`` are applied on top.
-        device_pool: an engine's own `DeviceKVPool` to manage (created from the
-            config when not given), with its ``device_allocator``.
+        config: the configuration (default: `TierCacheConfig()`).
+        device_pool: an engine's own `DeviceKVPool` to manage (default: one made from the config).
+        device_allocator: the engine's `PageAllocator` over its pool's slots (default: a new one).
         tp_group: a ``torch.distributed`` process group over the TP ranks.
+        **overrides: `TierCacheConfig` fields, applied on top of ``config``.
 
     Raises:
         InvalidInputError: ``config``, ``device_pool`` or ``device_allocator``
