@@ -364,6 +364,9 @@ class PageAllocator:
 
     def pages_allocated(self, pages: npt.NDArray[np.int64]) -> bool:
         """Whether every page id in ``pages`` (of this pool) is currently allocated."""
+        if pages.size <= _FEW_PAGES:
+            allocated = self._allocated
+            return all(allocated[p] for p in pages.tolist())
         return bool(self._allocated[pages].all())
 
     def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
