@@ -30,7 +30,9 @@ class _Flags:
     a flag takes no lock (a load nobody waits for in a thread, the usual
     case, pays for none). A waiter makes it under the lock before it tests
     its flag, and a setter writes the flag before it looks for the
-    condition: either the waiter sees the flag, or the setter notifies it.
+    condition: either the waiter sees the flag, or the setter notifies it
+    (this relies on the GIL's ordering of those two writes and reads; a
+    free-threaded build would take the lock in `set` again).
     """
 
     __slots__ = ("_cond", "_lock", "_set")
