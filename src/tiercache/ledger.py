@@ -222,15 +222,16 @@ class PoolLedger:
         if not pages.size:
             return
         counts, owners = self._counts, self._owner
+        to = int(owner)  # a plain int: numpy converts an IntEnum slowly
         if pages.size > _SMALL:
             for o, k in enumerate(np.bincount(owners[pages], minlength=4).tolist()):
                 counts[o] -= k
-            owners[pages] = owner
+            owners[pages] = to
         else:
             for p in pages.tolist():
-                counts[owners[p]] -= 1
-                owners[p] = owner
-        counts[owner] += int(pages.size)
+                counts[int(owners[p])] -= 1
+                owners[p] = to
+        counts[to] += int(pages.size)
         counts[Owner.FREE] = 0
 
     def free(self, pages: Pages, *, fence: object = None) -> None:

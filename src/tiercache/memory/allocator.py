@@ -66,15 +66,13 @@ def check_slot_pages(
         InvalidInputError: as `check_slot_indices`.
     """
     cpu = _int64_vector(indices, page_size, what)
-    # numpy, not torch: an operation checks a handful of pages, where each
-    # torch op costs several microseconds and numpy's about one.
-    a = cpu.numpy()
-    if a.size == 0:
-        return cpu, np.empty(0, dtype=np.int64)
-    if a.size <= _SMALL:  # a few pages: plain Python ints beat numpy's per-call cost
-        _check_small_runs(a.tolist(), page_size, num_slots, what)
-        return cpu, page_ids(cpu, page_size)
-    return cpu, _check_runs(a, page_size, num_slots, what) // page_size
+    if cpu.numel() <= _SMALL:
+        # A few pages (every single operation): plain Python ints, one list
+        # out of the tensor and one array back in, beat numpy's ~1 us a call.
+        pages = _check_small_runs(cpu.tolist(), page_size, num_slots, what)
+        return cpu, np.array(pages, dtype=np.int64)
+    # numpy, not torch: each torch op costs several microseconds, numpy's about one.
+    return cpu, _check_runs(cpu.numpy(), page_size, num_slots, what) // page_size
 
 
 def page_ids(slots: torch.Tensor, page_size: int) -> npt.NDArray[np.int64]:
@@ -101,7 +99,7 @@ def _int64_vector(indices: object, page_size: int, what: str) -> torch.Tensor:
     n = indices.numel()
     if n % page_size:
         raise InvalidInputError(f"{what} has {n} slots, not a multiple of page_size={page_size}")
-    if indices.device.type == "cpu":
+    if indices.is_cpu:
         return indices
     global _warned_device_indices
     if not _warned_device_indices:
@@ -119,17 +117,22 @@ def _misaligned(page_size: int, what: str) -> InvalidInputError:
     return InvalidInputError(f"{what} are not page-aligned runs of page_size={page_size} slots")
 
 
-def _check_small_runs(slots: list[int], page_size: int, num_slots: int, what: str) -> None:
-    """Range and alignment of a few pages of slots, as Python ints."""
+def _check_small_runs(slots: list[int], page_size: int, num_slots: int, what: str) -> list[int]:
+    """Range and alignment of a few pages of slots, as Python ints; returns their page ids."""
+    if not slots:
+        return []
     lo, hi = min(slots), max(slots)
     if lo < 0 or hi >= num_slots:
         raise InvalidInputError(f"{what} out of range [0, {num_slots}): min {lo}, max {hi}")
+    pages = []
     for start in range(0, len(slots), page_size):
         first = slots[start]
         if first % page_size or slots[start : start + page_size] != list(
             range(first, first + page_size)
         ):
             raise _misaligned(page_size, what)
+        pages.append(first // page_size)
+    return pages
 
 
 def _check_runs(
@@ -304,6 +307,9 @@ class PageAllocator:
         """
         if pages.size == 0:
             return
+        if pages.size <= _FEW_PAGES:
+            self._free_few(pages.tolist())
+            return
         held = self._allocated[pages]
         if not held.all():
             bad = pages[~held][:4].tolist()
@@ -313,6 +319,18 @@ class PageAllocator:
             self._allocated[pages] = True  # every one was allocated: nothing changed
             raise DoubleFreeError("the same page is listed twice in one free")
         self._num_released += pages.size
+
+    def _free_few(self, pages: list[int]) -> None:
+        """`free_pages` of a few pages, as Python ints (numpy's per-call cost dominates there)."""
+        allocated = self._allocated
+        bad = [p for p in pages if not allocated[p]]
+        if bad:
+            raise DoubleFreeError(f"freeing pages that are not allocated (first: {bad[:4]})")
+        if len(set(pages)) != len(pages):
+            raise DoubleFreeError("the same page is listed twice in one free")
+        for p in pages:
+            allocated[p] = False
+        self._num_released += len(pages)
 
     def _listed_twice(self, pages: npt.NDArray[np.int64]) -> bool:
         """Whether allocated ``pages``, just marked free, named a page twice.
@@ -346,6 +364,9 @@ class PageAllocator:
 
     def pages_allocated(self, pages: npt.NDArray[np.int64]) -> bool:
         """Whether every page id in ``pages`` (of this pool) is currently allocated."""
+        if pages.size <= _FEW_PAGES:
+            allocated = self._allocated
+            return all(allocated[p] for p in pages.tolist())
         return bool(self._allocated[pages].all())
 
     def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:

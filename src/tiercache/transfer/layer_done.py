@@ -26,30 +26,43 @@ class _Flags:
 
     A load creates one of these rather than an Event per layer (each a lock
     and a condition of its own): creating the set is on every load's path.
+    The condition is made by the first thread that waits; until then setting
+    a flag takes no lock (a load nobody waits for in a thread, the usual
+    case, pays for none). A waiter makes it under the lock before it tests
+    its flag, and a setter writes the flag before it looks for the
+    condition: either the waiter sees the flag, or the setter notifies it
+    (this relies on the GIL's ordering of those two writes and reads; a
+    free-threaded build would take the lock in `set` again).
     """
 
-    __slots__ = ("_cond", "_set")
+    __slots__ = ("_cond", "_lock", "_set")
 
     def __init__(self, n: int) -> None:
         self._set = [False] * n
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond: threading.Condition | None = None
 
     def set(self, i: int) -> None:
-        with self._cond:
-            self._set[i] = True
-            self._cond.notify_all()
+        self._set[i] = True
+        self._notify()
 
     def set_all(self) -> None:
-        with self._cond:
-            self._set = [True] * len(self._set)
-            self._cond.notify_all()
+        self._set = [True] * len(self._set)
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._cond is not None:
+            with self._lock:
+                self._cond.notify_all()
 
     def is_set(self, i: int) -> bool:
         return self._set[i]
 
     def wait(self, i: int, timeout: float | None = None) -> bool:
         """Block until flag ``i`` is set or ``timeout`` expires; whether it is set."""
-        with self._cond:
+        with self._lock:
+            if self._cond is None:
+                self._cond = threading.Condition(self._lock)
             return self._cond.wait_for(lambda: self._set[i], timeout)
 
 
