@@ -4,6 +4,7 @@ and GuardedBackend, which reports a backend's calls to it."""
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 import pytest
@@ -325,3 +326,16 @@ async def test_a_guarded_answer_outside_the_contract_is_a_failed_call() -> None:
     with pytest.raises(StorageError, match="not an int"):
         await calls.exists([PageKey("a" * 64)])
     assert counts.storage_errors == 1 and f.failures == 1
+
+
+async def test_a_closed_policy_holds_nothing_of_its_owner() -> None:
+    class Owner:
+        def gave_up(self) -> None:
+            pass
+
+    owner = Owner()
+    ref = weakref.ref(owner)
+    f = make("auto_detach", on_detach=owner.gave_up)
+    await f.aclose()
+    del owner
+    assert ref() is None  # freed without the garbage collector

@@ -222,8 +222,12 @@ class FaultPolicy:
         """Stop acting: no failure counts from now on; cancel the probe and wait for it.
 
         Idempotent. The state is left as it was (a closed owner calls nothing).
+        The owner's callbacks are dropped: ``on_detach`` is often the owner's
+        own method, and a closed policy that kept it would keep its owner (and
+        the host memory the owner holds) alive until the garbage collector runs.
         """
         self._closing = True
+        self._on_detach = None
         probe, self._probe = self._probe, None
         if probe is not None:
             probe.cancel()
