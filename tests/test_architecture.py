@@ -50,9 +50,7 @@ KNOWN_PRIVATE_ACCESS: frozenset[tuple[str, str]] = frozenset()
 #: Classes over their size limit for the time being: (module path, class) -> lines
 #: when listed. A listed class may only shrink; once under its limit it must
 #: leave the list.
-KNOWN_OVERSIZE: dict[tuple[str, str], int] = {
-    ("tiercache/storage_tier.py", "StorageTier"): 812,
-}
+KNOWN_OVERSIZE: dict[tuple[str, str], int] = {}
 
 #: Documented public methods that start with an underscore (``collections.namedtuple``'s,
 #: e.g. ``urlsplit(url)._replace(...)``): not private.
@@ -438,6 +436,9 @@ SIZED_MODULES = (
     "tiercache.cache",
     "tiercache.controller",
     "tiercache.storage_tier",
+    "tiercache.prefetch_rounds",
+    "tiercache.storage.fault_policy",
+    "tiercache.storage.guarded",
     "tiercache.ledger",
     "tiercache.loads",
     "tiercache.request",

@@ -9,11 +9,16 @@ thread and a backup thread polling queues, `StorageTier` runs:
   stops at the first miss, agrees the hit count across tensor-parallel ranks
   with one all-reduce (MIN) per operation, and revokes operations under the
   threshold (with a TP group, the ranks also agree an ``auto_detach``, and the
-  tokens each operation completed: `tiercache.tp_agreement`);
+  tokens each operation completed: `tiercache.prefetch_rounds`);
 * bounded-concurrency **IO coroutines** that fill host pages batch by batch,
   growing ``completed_tokens`` only over a contiguous prefix whose bytes are in
   place;
 * **backup coroutines** that write host pages to storage batch by batch.
+
+Every backend call goes through a `tiercache.storage.guarded.GuardedBackend`
+(deadline, answer checks, timings) that reports to the tier's
+`tiercache.storage.fault_policy.FaultPolicy` (``fault_policy``), the same
+policy object the SGLang adapter uses.
 
 Host slot ownership: `prefetch` takes ownership of the host slots it is given.
 When the operation ends (done, revoked, failed, terminated, detached) the
@@ -38,34 +43,32 @@ import asyncio
 import enum
 import functools
 import logging
-import operator
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast
 
-import numpy as np
 import torch
 
-from tiercache._aio import bounded, finish
-from tiercache._checks import check_backoff, check_bool, check_int, is_int, token_array
+from tiercache._aio import finish
+from tiercache._checks import check_backoff, check_bool, check_int, token_array
 from tiercache._tasks import TaskGroup
 from tiercache.errors import (
-    BackendUnavailableError,
     ConfigError,
     InvalidInputError,
     StateError,
     StorageError,
-    StorageTimeoutError,
 )
 from tiercache.index.hashing import INLINE_HASH_PAGES, page_hashes
 from tiercache.memory.allocator import check_slot_indices
 from tiercache.memory.pools import HostKVPool
-from tiercache.observe import observe
-from tiercache.storage.base import PageBuffer, PageKey, StorageBackend
+from tiercache.prefetch_rounds import PrefetchRounds
+from tiercache.storage.base import PageKey, StorageBackend
+from tiercache.storage.fault_policy import FAULT_POLICIES, FaultPolicy
+from tiercache.storage.guarded import GuardedBackend
 from tiercache.storage.keys import StorageNamespace
-from tiercache.tp_agreement import Agreements, Round, tp_ranks
+from tiercache.tp_agreement import tp_ranks
 
 __all__ = [
     "FAULT_POLICIES",
@@ -80,12 +83,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def _observe_call(what: str, task: asyncio.Future[Any], seconds: float, source: object) -> None:
-    """Report one backend call's latency and outcome to `tiercache.observe`."""
-    outcome = "cancelled" if task.cancelled() else "error" if task.exception() else "ok"
-    observe("storage", what, seconds, outcome, source=source)
 
 
 class _Abstain:
@@ -125,14 +122,6 @@ class PrefetchState(enum.Enum):
 
 
 _FINAL = (PrefetchState.DONE, PrefetchState.REVOKED, PrefetchState.FAILED, PrefetchState.TERMINATED)
-
-
-#: What the tier does after ``fault_threshold`` consecutive failed backend calls:
-#: ``none`` keeps calling (each call a miss); ``auto_detach`` detaches the
-#: backend (attach it again by hand); ``auto_reconnect`` stops calling it —
-#: prefetches miss at once, backups are skipped — while a probe retries with
-#: exponential backoff, and resumes when the backend answers again.
-FAULT_POLICIES: tuple[str, ...] = ("none", "auto_detach", "auto_reconnect")
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,42 +264,6 @@ class HostSlots(Protocol):
     def storage_failed(self, tier: StorageTier) -> None:
         """The ``auto_detach`` fault policy gave up on ``tier``'s backend: the owner detaches it."""
         ...
-
-
-def _exists_answer(answer: object, num_keys: int) -> int:
-    """A backend's ``batch_exists`` answer as a count of ``num_keys`` keys.
-
-    Raises:
-        StorageError: not an int (a plugin that breaks the contract): a miss,
-            never a failure of the cache.
-    """
-    if not is_int(answer):
-        raise StorageError(
-            f"the backend answered exists with {type(answer).__name__}, not an int count"
-        )
-    return max(0, min(operator.index(answer), num_keys))  # type: ignore[arg-type]
-
-
-def _flags_answer(answer: object, what: str, num_pages: int) -> Sequence[object]:
-    """A backend's ``batch_get`` / ``batch_set`` answer: one flag per page.
-
-    Raises:
-        StorageError: not a list, tuple or 1-D array of ``num_pages`` flags
-            (a plugin that breaks the contract). Too many flags would claim
-            pages that were never asked for, too few leave pages unaccounted:
-            the whole batch is a miss.
-    """
-    if isinstance(answer, np.ndarray) and answer.ndim == 1:
-        answer = answer.tolist()
-    if not isinstance(answer, list | tuple):
-        raise StorageError(
-            f"the backend answered {what} with {type(answer).__name__}, not a list of flags"
-        )
-    if len(answer) != num_pages:
-        raise StorageError(
-            f"the backend answered {what} with {len(answer)} flags for {num_pages} pages"
-        )
-    return answer
 
 
 def _leading_ok(flags: Sequence[object]) -> int:
@@ -680,26 +633,30 @@ class StorageTier:
         # before it are no longer counted in _held_tokens.
         self._held_generation = 0
         self._finished_backups: deque[BackupOperation] = deque()
-        # With a TP group, two sequences of agreements (`tiercache.tp_agreement`),
-        # each over a gloo group of its own, on a thread of its own: the hit
-        # counts (and the detach of a failing backend) in prefetch-call order,
-        # then the completed tokens of every prefetch that loads, in the same
-        # order. Neither sequence waits for the other, so each is the same on
-        # every rank however the ranks' storage calls are timed.
-        self._seq = 0  # prefetch calls so far (abstentions included)
-        self._agreements: Agreements | None = None
-        self._ends_queue: asyncio.Queue[PrefetchOperation | _Abstain | None] = asyncio.Queue()
-        self._ends_task: asyncio.Task[None] | None = None
-        self._detach_wanted = False  # auto_detach under TP: proposed at the next agreement
+        # With a TP group: the agreements on each prefetch call's prefix end
+        # and on what each loading prefetch completed, in call order.
+        self._rounds: PrefetchRounds | None = None
         if tp_group is not None:
-            self._agreements = Agreements(
-                tp_ranks(tp_group), timeout_s=config.tp_agreement_timeout_s
+            self._rounds = PrefetchRounds(
+                tp_group, timeout_s=config.tp_agreement_timeout_s, spawn=tasks.spawn
             )
-            self._ends_task = tasks.spawn(self._ends_loop(), "the TP completion agreement")
         self._closing = False
-        self._failures = 0  # consecutive failed backend calls
-        self.down = False  # auto_reconnect: the backend is not called until a probe succeeds
-        self._probe: asyncio.Task[None] | None = None
+        #: The fault policy: counts failed calls in a row and acts on them.
+        self.faults = FaultPolicy(
+            config.fault_policy,
+            config.fault_threshold,
+            backoff_s=config.reconnect_backoff_s,
+            backoff_max_s=config.reconnect_backoff_max_s,
+            timeout_s=config.timeout_s,
+            probe=functools.partial(backend.batch_exists, [namespace.key("0" * 64)]),
+            name=backend.name,
+            on_detach=self._gave_up,
+            spawn=tasks.spawn,
+            counts=self.stats,
+        )
+        self._calls = GuardedBackend(
+            backend, self.faults, timeout_s=config.timeout_s, counts=self.stats, source=source
+        )
         self._query_task = tasks.spawn(self._query_loop(), "the storage query loop")
 
     # -- work in flight ---------------------------------------------------------
@@ -715,124 +672,20 @@ class StorageTier:
         self._ops.add(op)
         self._work_changed()
 
-    # -- helpers --------------------------------------------------------------
+    @property
+    def down(self) -> bool:
+        """The fault policy stopped calling the backend (a probe may be retrying it)."""
+        return self.faults.down
 
-    async def _exists(self, keys: list[PageKey]) -> int:
-        """``batch_exists`` through `_call`: how many leading ``keys`` are stored."""
-        n = len(keys)
-        return await self._call(
-            "exists", self.backend.batch_exists(keys), lambda a: _exists_answer(a, n)
-        )
-
-    async def _get(self, keys: list[PageKey], pages: list[PageBuffer]) -> Sequence[object]:
-        """``batch_get`` through `_call`: one flag per page."""
-        n = len(keys)
-        return await self._call(
-            "get", self.backend.batch_get(keys, pages), lambda a: _flags_answer(a, "get", n)
-        )
-
-    async def _set(self, keys: list[PageKey], pages: list[PageBuffer]) -> Sequence[object]:
-        """``batch_set`` through `_call`: one flag per page."""
-        n = len(keys)
-        return await self._call(
-            "set", self.backend.batch_set(keys, pages), lambda a: _flags_answer(a, "set", n)
-        )
-
-    async def _call(self, what: str, coro: Awaitable[Any], check: Callable[[Any], T]) -> T:
-        """Await a backend call with the tier's timeout; errors become StorageError.
-
-        ``check`` turns the backend's answer into the caller's value, or
-        raises `StorageError` for an answer that breaks the backend contract
-        (a plugin's bug): that is a failed call too, a miss.
-
-        Counts consecutive failures for the fault policy. While the backend is
-        down (``auto_reconnect``) the call is not made: it fails at once with
-        `BackendUnavailableError`. A call that times out, or whose caller is
-        cancelled, is cancelled and has settled before this raises (it may be
-        writing into host pages).
-        """
-        if self.down:
-            if asyncio.iscoroutine(coro):
-                coro.close()
-            self.stats.skipped_while_down += 1
-            raise BackendUnavailableError("the storage backend is down; a probe is retrying it")
-        task = asyncio.ensure_future(coro)
-        t0 = time.perf_counter()
-        task.add_done_callback(
-            lambda t: _observe_call(what, t, time.perf_counter() - t0, self.source)
-        )
-        try:
-            result = check(await bounded(task, self.config.timeout_s))
-        except TimeoutError:
-            self.stats.storage_timeouts += 1
-            self._failed()
-            raise StorageTimeoutError(
-                f"storage {what} timed out after {self.config.timeout_s} s"
-            ) from None
-        except StorageError:
-            self.stats.storage_errors += 1
-            self._failed()
-            raise
-        except Exception as e:
-            # A backend that raises outside the StorageError tree is still a storage failure.
-            self.stats.storage_errors += 1
-            self._failed()
-            raise StorageError(f"storage {what} failed: {e!r}") from e
-        self._failures = 0
-        return result
-
-    def _failed(self) -> None:
-        self._failures += 1
-        policy = self.config.fault_policy
-        if self._failures < self.config.fault_threshold or policy == "none" or self._closing:
-            return
-        if self.down:
-            return
-        self.down = True
-        if policy == "auto_detach" and self._agreements is not None:
+    def _gave_up(self) -> None:
+        """``auto_detach`` gave the backend up: detach it (under TP: on every rank at once)."""
+        if self._rounds is not None:
             # Under TP every rank detaches at the same agreement, or the ranks
             # that keep the backend wait in agreements this rank never joins.
-            logger.warning(
-                "storage backend %s failed %d times in a row: proposing to detach it on every TP rank",
-                self.backend.name,
-                self._failures,
-            )
-            self._detach_wanted = True
+            logger.warning("proposing to detach %s on every TP rank", self.backend.name)
+            self._rounds.propose_detach()
             return
-        if policy == "auto_detach":
-            self.stats.auto_detaches += 1
-            logger.warning(
-                "storage backend %s failed %d times in a row: detaching it",
-                self.backend.name,
-                self._failures,
-            )
-            self.slots.storage_failed(self)
-            return
-        self.stats.outages += 1
-        logger.warning(
-            "storage backend %s failed %d times in a row: treating it as down and probing it",
-            self.backend.name,
-            self._failures,
-        )
-        self._probe = self.tasks.spawn(self._reconnect(), "the storage reconnect probe")
-
-    async def _reconnect(self) -> None:
-        """Probe the backend with exponential backoff until it answers, then resume."""
-        delay = self.config.reconnect_backoff_s
-        probe = [self.namespace.key("0" * 64)]
-        while not self._closing:
-            await asyncio.sleep(delay)
-            try:
-                await bounded(self.backend.batch_exists(probe), self.config.timeout_s)
-            except Exception as e:  # TimeoutError included
-                logger.debug("storage probe failed: %r", e)
-                delay = min(delay * 2, self.config.reconnect_backoff_max_s)
-                continue
-            self.down = False
-            self._failures = 0
-            self.stats.reconnects += 1
-            logger.warning("storage backend %s answers again: resuming", self.backend.name)
-            return
+        self.slots.storage_failed(self)
 
     async def _hashes(self, token_ids: Sequence[int], prior: str | None) -> list[str]:
         n_pages = len(token_ids) // self.page_size
@@ -904,7 +757,7 @@ class StorageTier:
             page_size=self.page_size,
             cached_tokens=cached_tokens,
         )
-        op._seq = self._next_seq()
+        op._seq = self._rounds.next_seq() if self._rounds is not None else -1
         self._held_tokens += op.num_tokens
         self.slots.hold(host, fill=True)
         self._add_op(op)
@@ -949,13 +802,8 @@ class StorageTier:
                 of the page size.
         """
         cached_tokens = check_cached_tokens(cached_tokens, self.page_size)
-        if self._agreements is not None:
-            self._query_queue.put_nowait(_Abstain(self._next_seq(), cached_tokens))
-
-    def _next_seq(self) -> int:
-        seq = self._seq
-        self._seq += 1
-        return seq
+        if self._rounds is not None:
+            self._query_queue.put_nowait(_Abstain(self._rounds.next_seq(), cached_tokens))
 
     async def _query_loop(self) -> None:
         while True:
@@ -967,8 +815,9 @@ class StorageTier:
                 end, low, healthy = await self._agree_hits(op.seq, cached, 0)
                 if not healthy:
                     return  # every rank stops here: the backend is detached on all
-                if self._group_loads(end, low):
-                    self._ends_queue.put_nowait(op)  # another rank loads: agree its end too
+                if self._rounds is not None and self._group_loads(end, low):
+                    # Another rank loads: agree its end too (this rank holds its prefix).
+                    self._rounds.agree_end(op.seq, op.cached_tokens)
                 continue
             try:
                 if not await self._query(op):
@@ -992,7 +841,7 @@ class StorageTier:
                 if op._frozen:
                     break
                 batch = keys[start : start + step]
-                n = await self._exists(batch)
+                n = await self._calls.exists(batch)
                 hit_pages += n
                 if n < len(batch):
                     break
@@ -1025,11 +874,15 @@ class StorageTier:
                 self.stats.prefetch_revoked += 1
                 self._end(op, PrefetchState.REVOKED)
             return True
-        if self._agreements is not None:
+        if self._rounds is not None:
             # Every rank loads it (or, terminated here, contributes 0): its
             # completed tokens are agreed once it has ended on every rank.
             op._agreeing = True
-            self._ends_queue.put_nowait(op)
+            self._rounds.agree_end(
+                op._seq,
+                functools.partial(self._local_end, op),
+                functools.partial(self._agreed_end, op),
+            )
         if op._frozen:
             self._end(op, PrefetchState.TERMINATED)
         elif not hit_pages:
@@ -1049,65 +902,37 @@ class StorageTier:
         return (end - low) * self.page_size >= max(self.config.prefetch_threshold, 1)
 
     async def _agree_hits(self, seq: int, cached: int, hit_pages: int) -> tuple[int, int, bool]:
-        """Where the prefix of prefetch call ``seq`` ends, in pages: the MIN over the
-        ranks of ``cached`` + ``hit_pages``; the MIN of the ranks' ``cached``; and
-        whether every rank keeps the backend (``False``: one proposes
-        ``auto_detach``, and every rank detaches it now). Without a TP group:
-        this rank's own answer.
-
-        A failed agreement (a rank gone) is a miss, and the backend is detached.
-        """
-        agreements = self._agreements
-        if agreements is None:
+        """Where the prefix of prefetch call ``seq`` ends, in pages, the lowest rank's
+        ``cached`` pages, and whether the backend is kept (`PrefetchRounds.hits`;
+        without a TP group, this rank's own answer). Not kept: detach it now."""
+        if self._rounds is None:
             return cached + hit_pages, cached, True
-        proposal = Round(2 * seq, [cached + hit_pages, 0 if self._detach_wanted else 1, cached])
-        try:
-            job = agreements.agree(Agreements.HITS, proposal)
-            end, healthy, low = await finish(asyncio.wrap_future(job))
-        except Exception as e:
-            logger.error("the TP hit-count agreement failed: %r; detaching the backend", e)
-            end, healthy, low = cached, 0, cached
+        end, low, healthy = await self._rounds.hits(seq, cached, hit_pages)
         if not healthy and not self._closing:
-            self.down = True
-            self.stats.auto_detaches += 1
+            self.faults.detach()
             logger.warning(
                 "a TP rank gave up on its storage backend: detaching %s on this rank too",
                 self.backend.name,
             )
             self.slots.storage_failed(self)
-        return end, low, bool(healthy)
+        return end, low, healthy
 
-    async def _ends_loop(self) -> None:
-        """Agree, prefetch by prefetch in call order, the tokens each one completed (MIN).
+    @staticmethod
+    async def _local_end(op: PrefetchOperation) -> int:
+        """``op``'s prefix end in tokens, once it has ended on this rank."""
+        await op._ended_locally.wait()
+        return op.cached_tokens + op.completed_tokens
 
-        An operation that loads ends on each rank on its own (done, failed,
-        terminated); it ends for its caller once every rank has, with the
-        MIN of what they completed: every rank then hands over the same
-        prefix, as SGLang's all-reduce on completion does.
+    def _agreed_end(self, op: PrefetchOperation, agreed: int) -> None:
+        """Every rank ended ``op``; ``agreed`` is the MIN prefix end: end it for its caller.
+
+        Every rank then hands over the same prefix, as SGLang's all-reduce on
+        completion does.
         """
-        agreements = self._agreements
-        assert agreements is not None
-        while True:
-            op = await self._ends_queue.get()
-            if op is None:
-                return
-            if isinstance(op, _Abstain):  # it holds its prefix; another rank loads
-                seq, end = op.seq, op.cached_tokens
-            else:
-                await op._ended_locally.wait()
-                seq, end = op._seq, op.cached_tokens + op.completed_tokens
-            try:
-                job = agreements.agree(Agreements.ENDS, Round(2 * seq + 1, [end]))
-                (agreed,) = await finish(asyncio.wrap_future(job))
-            except Exception as e:
-                logger.error("the TP completion agreement failed: %r; taking 0 tokens", e)
-                agreed = 0
-            if isinstance(op, _Abstain):
-                continue
-            state = op._local_end
-            assert state is not None
-            op.completed_tokens = max(0, min(op.completed_tokens, agreed - op.cached_tokens))
-            self._finish(op, state)
+        state = op._local_end
+        assert state is not None
+        op.completed_tokens = max(0, min(op.completed_tokens, agreed - op.cached_tokens))
+        self._finish(op, state)
 
     async def _load(self, op: PrefetchOperation, hit_pages: int) -> None:
         """Read ``op``'s first ``hit_pages`` pages into its host slots, then end it.
@@ -1151,7 +976,7 @@ class StorageTier:
             pool = self.slots.pool
             pages = [pool.page_buffer(s) for s in op.host_indices[lo * ps : hi * ps : ps].tolist()]
             try:
-                got = await self._get(keys[lo:hi], pages)
+                got = await self._calls.get(keys[lo:hi], pages)
             except StorageError as e:
                 logger.warning(
                     "prefetch %r: storage read failed, keeping what arrived: %s", op.request_id, e
@@ -1337,7 +1162,7 @@ class StorageTier:
 
     async def _write_batch(self, op: BackupOperation, lo: int, keys: list[PageKey]) -> int:
         """Store pages ``lo ..`` of ``op`` under ``keys``; return how many leading ones are stored."""
-        have = await self._exists(keys)
+        have = await self._calls.exists(keys)
         self.stats.backup_pages_skipped += have
         todo = keys[have:]
         if not todo:
@@ -1345,7 +1170,7 @@ class StorageTier:
         ps = self.page_size
         starts = op.host_indices[(lo + have) * ps : (lo + len(keys)) * ps : ps].tolist()
         pages = [self.slots.pool.page_buffer(s) for s in starts]
-        n_ok = _leading_ok(await self._set(todo, pages))
+        n_ok = _leading_ok(await self._calls.set(todo, pages))
         self.stats.backup_pages_written += n_ok
         self.stats.bytes_written += n_ok * self.page_bytes
         return have + n_ok
@@ -1392,6 +1217,7 @@ class StorageTier:
         if self._closing:
             return
         self._closing = True
+        self.faults.closing()
         for op in self._ops:
             op._frozen = True
         self._query_queue.put_nowait(None)
@@ -1399,19 +1225,15 @@ class StorageTier:
         # A task that ended with an exception (the cancelled probe) holds its
         # traceback, whose frames hold this tier, and the tier holds host
         # pool memory: drop them, or only the garbage collector frees the pool.
-        self._probe = None
+        await self.faults.aclose()
         self._loads.clear()
         self._backups.clear()
         # Operations still queued for the query loop never started: end them now.
         for op in list(self._ops):
             self._end(op, PrefetchState.TERMINATED)
-        if self._ends_task is not None:
+        if self._rounds is not None:
             # The loads ended: agree what each completed (the other ranks stop too).
-            self._ends_queue.put_nowait(None)
-            await asyncio.wait([self._ends_task])
-            self._ends_task = None
-        if self._agreements is not None:
-            await asyncio.to_thread(self._agreements.close)
+            await self._rounds.aclose()
         if self.owns_backend:
             try:
                 await self.backend.aclose()
@@ -1419,11 +1241,11 @@ class StorageTier:
                 logger.warning("closing the storage backend failed: %r", e)
 
     def _running(self) -> list[asyncio.Task[Any]]:
-        tasks = [self._query_task, self._probe, *self._loads.values(), *self._backups.values()]
+        tasks = [self._query_task, *self._loads.values(), *self._backups.values()]
         return [t for t in tasks if t is not None and not t.done()]
 
     async def _end_tasks(self) -> None:
-        """Cancel the tier's loads, backups and probe; let the query loop finish; wait for all."""
+        """Cancel the tier's loads and backups; let the query loop finish; wait for all."""
         while tasks := self._running():
             for t in tasks:
                 if t is not self._query_task:

@@ -31,8 +31,12 @@ unknown key or a bad value raises `ConfigError` naming the key:
   ``fault_threshold`` (default 5): after that many failed calls in a row,
   ``auto_reconnect`` stops calling the backend (every call is a miss at once)
   and probes it with exponential backoff from ``reconnect_backoff_s`` (0.5) up
-  to ``reconnect_backoff_max_s`` (30), resuming when it answers;
-  ``auto_detach`` stops calling it for good; ``none`` keeps calling it.
+  to ``reconnect_backoff_max_s`` (30), resuming when it answers (one
+  ``outages``, then one ``reconnects``, in `TierCacheStorage.stats`);
+  ``auto_detach`` stops calling it for good (one ``auto_detaches``); ``none``
+  keeps calling it. The policy is the storage tier's own
+  (`tiercache.storage.fault_policy`); a call that `close` cuts short is not a
+  failure for it.
 - ``model_name``: the model identity in storage keys, instead of the name
   SGLang passes (set it to share pages with a `TierCache` under another name).
 - ``metrics_port`` (int): serve Prometheus metrics of the storage backend
@@ -78,9 +82,8 @@ same bytes, so pages written by one are read by the other.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Coroutine, Mapping
@@ -107,9 +110,9 @@ from tiercache.memory.pages import PageBuffer
 from tiercache.memory.pools import host_page_buffer
 from tiercache.storage import StorageBackend, open_backend
 from tiercache.storage.base import PageKey
+from tiercache.storage.fault_policy import FAULT_POLICIES, FaultPolicy
 from tiercache.storage.keys import StorageNamespace
 from tiercache.storage.registry import redact_url
-from tiercache.storage_tier import FAULT_POLICIES
 
 __all__ = ["AdapterStats", "SGLangOptions", "TierCacheStorage"]
 
@@ -403,14 +406,8 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.stats_ = AdapterStats()
         self._pool: _PoolView | None = None
         self._namespace: StorageNamespace | None = None
-        # Written on the loop thread only (the fault policy).
-        self._failures = 0
-        self.outages = 0
-        self.reconnects = 0
-        self._down = False
         #: `close` has begun: a call that ends badly from now on was cut short by it.
         self._closing = False
-        self._probe: asyncio.Task[None] | None = None
         self._stats_lock = threading.Lock()
         self._close_lock = threading.Lock()
         #: The Prometheus metrics (``None`` unless ``metrics_port`` or ``metrics_registry``).
@@ -424,6 +421,17 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
         except BaseException:
             self._loop.close()
             raise
+        #: The fault policy (`tiercache.storage.fault_policy`): told of every
+        #: call on the loop thread; its ``down`` is read on SGLang's threads too.
+        self.faults = FaultPolicy(
+            self.options.fault_policy,
+            self.options.fault_threshold,
+            backoff_s=self.options.reconnect_backoff_s,
+            backoff_max_s=self.options.reconnect_backoff_max_s,
+            timeout_s=self.options.timeout_s,
+            probe=functools.partial(self.backend.batch_exists, [PageKey("tiercache-sglang-probe")]),
+            name=self.backend.name,
+        )
         try:
             if self.options.metrics.enabled:
                 self.metrics = AdapterMetrics(
@@ -508,7 +516,7 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
         where it cannot be interrupted (a hung file system) is waited for,
         since SGLang frees and reuses the pages of a call that missed.
         """
-        if self._down:
+        if self._closing or self.faults.down:
             coro.close()
             self._count(skipped_while_down=1)
             return default
@@ -553,7 +561,7 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     async def _guarded(self, what: str, coro: Coroutine[Any, Any, T]) -> T:
         """On the loop: the call under ``timeout_s``, counted for the fault policy."""
-        if self._down:
+        if self.faults.down:
             coro.close()
             raise _Skipped
         try:
@@ -561,56 +569,16 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
             # may be copying into SGLang's host pages.
             result = await bounded(coro, self.options.timeout_s)
         except TimeoutError:
-            self._failed()
+            self.faults.failed()
             raise StorageTimeoutError(
                 f"{what} timed out after {self.options.timeout_s} s"
             ) from None
         except Exception:
-            if not self._closing:  # a store closed under the call has not failed
-                self._failed()
+            # Not counted once close has begun: a store closed under the call has not failed.
+            self.faults.failed()
             raise
-        self._failures = 0
+        self.faults.succeeded()
         return result
-
-    def _failed(self) -> None:
-        """On the loop: one more failure in a row; apply the fault policy."""
-        self._failures += 1
-        policy = self.options.fault_policy
-        if self._failures < self.options.fault_threshold or policy == "none" or self._down:
-            return
-        self._down = True
-        self.outages += 1
-        if policy == "auto_detach":
-            logger.warning(
-                "storage backend %s failed %d times in a row: no longer calling it",
-                self.backend.name,
-                self._failures,
-            )
-            return
-        logger.warning(
-            "storage backend %s failed %d times in a row: treating it as down and probing it",
-            self.backend.name,
-            self._failures,
-        )
-        self._probe = asyncio.get_running_loop().create_task(self._reconnect())
-
-    async def _reconnect(self) -> None:
-        delay = self.options.reconnect_backoff_s
-        probe = [PageKey("tiercache-sglang-probe")]
-        while True:
-            await asyncio.sleep(delay)
-            try:
-                async with asyncio.timeout(self.options.timeout_s):
-                    await self.backend.batch_exists(probe)
-            except Exception as e:
-                logger.debug("storage probe failed: %r", e)
-                delay = min(delay * 2, self.options.reconnect_backoff_max_s)
-                continue
-            self._failures = 0
-            self._down = False
-            self.reconnects += 1
-            logger.warning("storage backend %s answers again: resuming", self.backend.name)
-            return
 
     def _prepare(self, what: str, build: Any) -> Any:
         """Build keys and page views on the calling thread; a bad argument is a miss, not a fault."""
@@ -808,8 +776,9 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
             The `AdapterStats` fields (pages asked for and served, errors,
             timeouts, calls cut short by `close`, calls skipped while the
             backend was down, MLA writes
-            skipped on ranks other than 0); ``outages`` and ``reconnects`` of
-            the fault policy and ``down`` (the backend is not being called);
+            skipped on ranks other than 0); ``outages``, ``reconnects`` and
+            ``auto_detaches`` of the fault policy and ``down`` (the backend is
+            not being called);
             and the storage backend's own `BackendStats` under ``backend.*``
             (absent once closed or when the backend does not answer in
             ``timeout_s``).
@@ -818,7 +787,13 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """
         with self._stats_lock:
             out: dict[str, Any] = asdict(self.stats_)
-        out.update(outages=self.outages, reconnects=self.reconnects, down=self._down)
+        counts = self.faults.counts
+        out.update(
+            outages=counts.outages,
+            reconnects=counts.reconnects,
+            auto_detaches=counts.auto_detaches,
+            down=self.faults.down,
+        )
 
         if not self._loop.closed:
             try:
@@ -844,16 +819,13 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._close_lock:
             if self._loop.closed:
                 return
+            self.faults.closing()
             self._closing = True
-            self._down = True
             if self.metrics is not None:
                 self.metrics.close()
 
             async def drain() -> None:
-                if self._probe is not None:
-                    self._probe.cancel()
-                    with contextlib.suppress(BaseException):
-                        await self._probe
+                await self.faults.aclose()
                 await self.backend.aclose()
 
             self._loop.close(drain(), timeout=self.options.open_timeout_s)
