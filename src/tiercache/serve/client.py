@@ -357,9 +357,10 @@ class ServeBackend(StorageBackend):
         at once past that); a key that fails is never remembered.
         """
         known = self._known_keys
-        if not isinstance(keys, str) and all(type(k) is str and k in known for k in keys):
-            return list(keys)
-        ks = check_batch(keys)  # the rule, and the reason of a refusal
+        listed = None if isinstance(keys, str) else list(keys)  # an iterator is read once
+        if listed is not None and all(type(k) is str and k in known for k in listed):
+            return listed
+        ks = check_batch(keys if listed is None else listed)  # the rule, and a refusal's reason
         if len(known) + len(ks) > _KNOWN_KEYS:
             known.clear()
         known.update(k for k in ks if type(k) is str)
