@@ -331,6 +331,20 @@ async def test_url_options_and_refusals() -> None:
             await open_backend(bad)
 
 
+async def test_exists_refuses_a_bad_key_beside_keys_it_already_checked(tmp_path: Path) -> None:
+    async with served(tmp_path) as server, ServeBackend(server.socket_path) as b:
+        await put(b, "a", "b")
+        for _ in range(2):  # the second time, "a" and "b" are known to be valid
+            assert await b.batch_exists(keys("a", "b")) == 2
+        for bad in (["a", "../b"], ["a", ".hidden"], ["a", 7], ["a", "x" * 300]):
+            for _ in range(2):  # a refused key is never remembered
+                with pytest.raises(InvalidInputError):
+                    await b.batch_exists(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInputError, match="not one str"):
+            await b.batch_exists("ab")  # type: ignore[arg-type]
+        assert await b.batch_exists(keys("a", "b", "c")) == 2
+
+
 def test_socket_family_is_unix() -> None:
     assert socket.AF_UNIX  # the server only ever listens on a Unix socket
 

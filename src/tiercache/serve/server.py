@@ -209,6 +209,7 @@ class NodeServer(AsyncResource):
         self._wb_inflight = 0
         self._stopped = asyncio.Event()
         self._progress = asyncio.Event()  # set when a request or a write-behind batch ends
+        self._ops = self._handlers()  # built once: looked up for every frame
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -512,7 +513,7 @@ class NodeServer(AsyncResource):
                 f"protocol version {version!r}; this server speaks {proto.VERSION}",
             )
             return False
-        handler = self._handlers().get(op) if isinstance(op, str) else None
+        handler = self._ops.get(op) if isinstance(op, str) else None
         if handler is None:
             await self._refuse(writer, rid, "unknown_op", f"unknown op {op!r}")
             return True
@@ -755,6 +756,8 @@ def _keys(body: Any, *, lookup: bool = False) -> list[str]:
     if not isinstance(body, list):
         raise proto.ProtocolError("malformed", "the body is a list of keys")
     _check_batch_len(body)
+    if lookup and all(type(k) is str and len(k) <= MAX_KEY_LENGTH for k in body):
+        return body  # every key passes `_lookup_key`: no call per key
     check = _lookup_key if lookup else validate_key
     return [check(k) for k in body]
 
