@@ -17,7 +17,15 @@ import torch
 
 from tiercache.transfer.layer_done import LayerDoneSet
 
-__all__ = ["ControllerStats", "CopyAck", "LoadHandle", "await_or_release", "run_callback", "settle"]
+__all__ = [
+    "Completion",
+    "ControllerStats",
+    "CopyAck",
+    "LoadHandle",
+    "await_or_release",
+    "run_callback",
+    "settle",
+]
 
 
 @dataclass(slots=True)
@@ -36,13 +44,14 @@ class ControllerStats:
     storage_auto_detaches: int = 0
 
 
-class _Completion:
-    """The public completion shared by `CopyAck` and `LoadHandle`.
+class Completion:
+    """Something that ends once: a copy (`CopyAck`, `LoadHandle`) or a storage
+    operation (`PrefetchOperation`, `BackupOperation`).
 
-    The controller settles it on the loop thread once its copy has settled
-    and its own bookkeeping is done (slots released, stats counted). Done
-    callbacks then run at once, in registration order, before any task
-    awaiting the completion resumes.
+    Its owner settles it on the loop thread once its own bookkeeping is done
+    (slots released, stats counted). Done callbacks then run at once, in
+    registration order, before any task awaiting it resumes: every kind of
+    operation orders its callbacks the same way.
     """
 
     __slots__ = ("_callbacks", "_future", "_settled")
@@ -53,7 +62,7 @@ class _Completion:
         self._settled = False
 
     def done(self) -> bool:
-        """Whether the copy has settled (succeeded, failed or was cancelled by `reset`)."""
+        """Whether it has ended (a copy: succeeded, failed or cancelled by `reset`)."""
         return self._settled
 
     def failed(self) -> bool:
@@ -61,10 +70,10 @@ class _Completion:
         return self._settled and (self._future.cancelled() or self._future.exception() is not None)
 
     def add_done_callback(self, fn: Callable[[Self], None]) -> None:
-        """Call ``fn(self)`` on the loop thread once the copy has settled.
+        """Call ``fn(self)`` on the loop thread once it has ended.
 
-        Callbacks run in registration order, after the controller's
-        bookkeeping for the copy and before awaiting tasks resume. Registered
+        Callbacks run in registration order, after the owner's bookkeeping
+        and before awaiting tasks resume. Registered
         after it settled, ``fn`` runs on the next loop iteration. An exception
         from ``fn`` goes to the loop's exception handler. Loop thread only.
         """
@@ -76,10 +85,12 @@ class _Completion:
             self._callbacks.append(fn)
 
     async def wait(self) -> None:
-        """Wait for the copy to settle; cancelling the waiter does not cancel the copy.
+        """Wait for it to end; cancelling the waiter does not cancel the operation.
 
         Raises:
-            The copy's failure (``asyncio.CancelledError`` after `reset` dropped it).
+            A copy's failure (``asyncio.CancelledError`` after `reset` dropped
+            it). A storage operation raises nothing: its errors end it early
+            and are kept in its ``error``.
         """
         await asyncio.shield(self._future)
 
@@ -87,7 +98,7 @@ class _Completion:
         return asyncio.shield(self._future).__await__()
 
     def _settle(self, error: BaseException | None) -> None:
-        """Resolve the completion and run its callbacks (loop thread, the controller only).
+        """Resolve the completion and run its callbacks (loop thread, its owner only).
 
         Nobody but this method resolves or cancels the future (`backup` and
         `load_back` wait on a future of their own), so it carries the copy's
@@ -119,7 +130,7 @@ def run_callback(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args
         )
 
 
-class CopyAck(_Completion):
+class CopyAck(Completion):
     """Completion of one write (device->host) or load (host->device) operation.
 
     Await it (``await ack`` or ``await ack.wait()``) to wait for the bytes to
@@ -149,7 +160,7 @@ class CopyAck(_Completion):
         return f"CopyAck({self.kind}, node_id={self.node_id}, tokens={self.host_indices.numel()}, {state})"
 
 
-class LoadHandle(_Completion):
+class LoadHandle(Completion):
     """A started layer-by-layer load.
 
     ``await handle.layer(i)`` returns once layer ``i`` is on the device;
@@ -197,11 +208,11 @@ class LoadHandle(_Completion):
         return f"LoadHandle(producer={self.producer_id}, tokens={self.device_indices.numel()}, done={self.done()})"
 
 
-def settle(completion: _Completion, error: BaseException | None) -> None:
+def settle(completion: Completion, error: BaseException | None) -> None:
     """Resolve ``completion`` with ``error`` (``None``: success) and run its callbacks.
 
-    The copy scheduler's alone (loop thread), once the copy has settled and
-    its bookkeeping is done.
+    Its owner's alone (the copy scheduler, the storage tier), on the loop
+    thread, once its bookkeeping is done.
     """
     completion._settle(error)
 

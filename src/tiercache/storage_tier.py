@@ -45,7 +45,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast
 
@@ -54,6 +54,7 @@ import torch
 from tiercache._aio import finish
 from tiercache._checks import check_backoff, check_bool, check_int, token_array
 from tiercache._tasks import TaskGroup
+from tiercache.acks import Completion, settle
 from tiercache.errors import (
     ConfigError,
     InvalidInputError,
@@ -276,34 +277,23 @@ def _leading_ok(flags: Sequence[object]) -> int:
     return n
 
 
-class _Completion:
-    """The public completion of an operation that ends once (shared by prefetch and backup).
+class _StorageCompletion(Completion):
+    """The completion of a storage operation: it ends once, and its errors end it.
 
-    ``add_done_callback(fn)`` calls ``fn(op)`` on the loop once the operation
-    ends; callbacks added before anyone awaits it run, in the order added,
-    before any awaiter resumes. ``await op`` and ``await op.wait()`` wait for
-    the end; cancelling the waiting task does not stop the operation.
+    ``await op`` and ``await op.wait()`` wait for the end and raise nothing (a
+    storage error ends the operation early and is kept in ``error``);
+    cancelling the waiting task does not stop the operation. Done callbacks
+    run in the order added, before any awaiter resumes, as a copy's do.
     """
 
-    _done: asyncio.Future[None]
+    error: BaseException | None
 
-    def done(self) -> bool:
-        """Whether the operation has ended."""
-        return self._done.done()
-
-    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
-        """Call ``fn(operation)`` on the loop once it has ended (soon, if it has)."""
-        self._done.add_done_callback(lambda _f: fn(self))
-
-    async def wait(self) -> None:
-        """Wait for the operation to end. Storage errors end it; they are not raised here."""
-        await asyncio.shield(self._done)
-
-    def __await__(self) -> Generator[Any, None, None]:
-        return asyncio.shield(self._done).__await__()
+    def failed(self) -> bool:
+        """Whether it has ended with a storage error (see ``error``)."""
+        return self.done() and self.error is not None
 
 
-class PrefetchOperation(_Completion):
+class PrefetchOperation(_StorageCompletion):
     """One storage prefetch into host memory (SGLang's ``PrefetchOperation``).
 
     ``completed_tokens`` counts the leading tokens whose bytes are in host
@@ -326,6 +316,7 @@ class PrefetchOperation(_Completion):
         on_handover: Callable[[int], None] | None = None,
         cached_tokens: int = 0,
     ) -> None:
+        super().__init__(done)
         self.request_id = request_id
         self.host_indices = host_indices
         self.token_ids = token_ids
@@ -334,14 +325,13 @@ class PrefetchOperation(_Completion):
         self.storage_hit_tokens = 0
         self.completed_tokens = 0
         self.state = PrefetchState.QUERYING
-        self.error: BaseException | None = None
+        self.error = None
         self.start_time = time.monotonic()
         self.end_time: float | None = None
         self.page_size = page_size
         #: The tokens the caller already holds before ``token_ids`` (its matched
         #: prefix): with a TP group the ranks agree where the prefix ends.
         self.cached_tokens = cached_tokens
-        self._done = done
         self._frozen = False  # completed_tokens may no longer grow
         self._io_tasks: set[asyncio.Task[Any]] = set()
         self._released = False  # the completed prefix was handed over
@@ -405,7 +395,7 @@ def _untraced(error: BaseException) -> BaseException:
     return error
 
 
-class BackupOperation(_Completion):
+class BackupOperation(_StorageCompletion):
     """One backup of host pages to storage. ``await op`` (or ``op.wait()``) waits for it to end.
 
     ``completed_tokens`` counts the leading tokens stored (or found already
@@ -421,19 +411,19 @@ class BackupOperation(_Completion):
         *,
         track: bool = True,
     ) -> None:
+        super().__init__(done)
         self.node_id = node_id
         self.host_indices = host_indices
         self.hash_values = hash_values
         self.completed_tokens = 0
-        self.error: BaseException | None = None
-        self._done = done
+        self.error = None
         #: Reported by `StorageTier.drain_backup_acks` once it ends.
         self._track = track
 
     @property
     def succeeded(self) -> bool:
         return (
-            self._done.done()
+            self.done()
             and self.error is None
             and self.completed_tokens == self.host_indices.numel()
         )
@@ -1028,7 +1018,7 @@ class StorageTier:
         self._ops.discard(op)
         self._loads.pop(op, None)
         self._work_changed()
-        op._done.set_result(None)
+        settle(op, None)
 
     async def terminate_prefetch(self, op: PrefetchOperation) -> tuple[int, list[str]]:
         """Stop ``op`` and hand its completed prefix to the caller.
@@ -1185,7 +1175,7 @@ class StorageTier:
         self._backups.pop(op, None)
         self._work_changed()
         if not op.done():
-            op._done.set_result(None)
+            settle(op, None)
 
     def drain_backup_acks(self) -> list[BackupOperation]:
         """Backups that ended since the last call, oldest first (non-blocking)."""

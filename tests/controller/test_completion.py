@@ -130,6 +130,47 @@ async def test_ack_callbacks_run_in_order_after_bookkeeping_and_before_awaiters(
         assert late == [ack]
 
 
+@pytest.mark.parametrize("kind", ["backup", "prefetch", "failed backup"])
+async def test_storage_operations_order_their_callbacks_as_copies_do(kind: str) -> None:
+    """A prefetch's or a backup's done callbacks run in the order added, all of
+    them before any awaiter resumes, and one added late runs on the next
+    iteration: the same contract as a `CopyAck`'s (one completion for both)."""
+    backend = FaultyBackend(MemoryBackend())
+    async with make() as c:
+        await c.attach_storage_backend(backend)
+        tokens = list(range(2 * PS))
+        if kind == "prefetch":
+            backup = c.write_storage(c.host_allocator.alloc(2 * PS), tokens)
+            assert backup is not None
+            await backup
+            op: Any = c.prefetch("r", c.host_allocator.alloc(2 * PS), tokens)
+        else:
+            if kind == "failed backup":
+                backend.fail_all()  # every call fails: the backup ends with its error
+            op = c.write_storage(c.host_allocator.alloc(2 * PS), tokens)
+        assert op is not None and not op.done()
+        order: list[str] = []
+
+        async def awaiter(how: str) -> None:
+            await (op if how == "await" else op.wait())  # a storage error is not raised
+            order.append(how)
+
+        op.add_done_callback(lambda o: order.append("first") if o is op and o.done() else None)
+        tasks = [asyncio.ensure_future(awaiter("await")), asyncio.ensure_future(awaiter("wait"))]
+        op.add_done_callback(lambda o: order.append("second"))  # after the awaiters started
+        await asyncio.gather(*tasks)
+        assert order[:2] == ["first", "second"]
+        assert sorted(order[2:]) == ["await", "wait"]
+        assert op.failed() == (kind == "failed backup") == (op.error is not None)
+        late: list[object] = []
+        op.add_done_callback(late.append)
+        assert late == []
+        await asyncio.sleep(0)
+        assert late == [op]
+        if kind == "prefetch":
+            await c.terminate_prefetch(op)
+
+
 async def test_load_handle_callbacks_run_before_awaiters(monkeypatch: pytest.MonkeyPatch) -> None:
     async with make(inline_copy_bytes=0) as c:
         src = dev_slots(c, 2)
