@@ -81,6 +81,7 @@ from tiercache.cache_values import (
     check_device_match,
     check_match,
     check_match_of,
+    count_request,
     merged_stats,
 )
 from tiercache.config import PREFETCH_POLICIES, TierCacheConfig
@@ -808,7 +809,7 @@ class TierCache(AsyncResource):
         lease = RequestLease(port, node)
         loads = [handle] if handle is not None else []
         loads += [h for h in p.loads.over(prefix) if h is not handle]
-        self._stats.count_request(len(toks), first_device, int(prefix.numel()), storage_hits)
+        count_request(self._stats, len(toks), first_device, int(prefix.numel()), storage_hits)
         return Request(port, lease, toks, extra_key, prefix, loads), lease
 
     # -- flush, stats, waiting ----------------------------------------------------

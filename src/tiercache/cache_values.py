@@ -27,6 +27,7 @@ __all__ = [
     "CacheState",
     "CacheStats",
     "check_device_match",
+    "count_request",
     "check_match",
     "check_match_of",
     "merged_stats",
@@ -77,19 +78,6 @@ class CacheStats:
     storage_auto_detaches: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
-    def count_request(self, tokens: int, device_then: int, prefix: int, stored: int) -> None:
-        """Count a request of ``tokens`` whose cached prefix is ``prefix`` tokens long.
-
-        The prefix is what was on the device when it matched (``device_then``),
-        what its own prefetch stored, and the rest from host (there then, or
-        put there meanwhile by a concurrent request's prefetch or commit).
-        """
-        self.requests += 1
-        self.tokens_requested += tokens
-        device_hit = min(device_then, prefix)
-        self.tokens_device_hit += device_hit
-        self.tokens_host_hit += max(0, prefix - device_hit - stored)
-
     @property
     def hit_rate(self) -> float:
         hit = self.tokens_device_hit + self.tokens_host_hit + self.tokens_storage_hit
@@ -103,6 +91,22 @@ class CacheStats:
             "storage": self.tokens_storage_hit / n,
             "total": self.hit_rate,
         }
+
+
+def count_request(
+    stats: CacheStats, tokens: int, device_then: int, prefix: int, stored: int
+) -> None:
+    """Count in ``stats`` a request of ``tokens`` whose cached prefix is ``prefix`` tokens long.
+
+    The prefix is what was on the device when it matched (``device_then``),
+    what its own prefetch stored, and the rest from host (there then, or
+    put there meanwhile by a concurrent request's prefetch or commit).
+    """
+    stats.requests += 1
+    stats.tokens_requested += tokens
+    device_hit = min(device_then, prefix)
+    stats.tokens_device_hit += device_hit
+    stats.tokens_host_hit += max(0, prefix - device_hit - stored)
 
 
 @dataclass(frozen=True, slots=True)
