@@ -87,10 +87,12 @@ class Completion:
     async def wait(self) -> None:
         """Wait for it to end; cancelling the waiter does not cancel the operation.
 
+        A storage operation raises nothing: its errors end it early and are
+        kept in its ``error``.
+
         Raises:
-            A copy's failure (``asyncio.CancelledError`` after `reset` dropped
-            it). A storage operation raises nothing: its errors end it early
-            and are kept in its ``error``.
+            asyncio.CancelledError: a copy that `reset` dropped.
+            Exception: the error a copy failed with.
         """
         await asyncio.shield(self._future)
 
