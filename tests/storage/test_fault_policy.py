@@ -233,6 +233,35 @@ async def test_aclose_stops_a_probe_stuck_in_its_call() -> None:
     assert not f.probing
 
 
+async def test_a_closer_cancelled_while_the_probe_ends_is_cancelled() -> None:
+    """aclose waits for the cancelled probe, but a cancellation of the closer
+    itself is the closer's: it is raised, not swallowed with the probe's."""
+    stuck, release = asyncio.Event(), asyncio.Event()
+
+    async def probe() -> int:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            stuck.set()
+            await release.wait()  # a call that takes a while to unwind
+            raise
+        return 0
+
+    f = make("auto_reconnect", threshold=1, probe=probe, timeout_s=60.0)
+    f.failed()
+    await asyncio.sleep(0.01)  # the probe is in its call
+    closer = asyncio.ensure_future(f.aclose())
+    await stuck.wait()
+    closer.cancel()
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await closer
+    finally:
+        release.set()  # the probe ends either way
+    await asyncio.sleep(0.01)
+    assert not f.probing
+
+
 async def test_a_probe_that_answers_after_close_began_does_not_bring_it_back() -> None:
     gate = asyncio.Event()
 

@@ -36,7 +36,6 @@ Everything runs on one event loop: the one the owner calls it from.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
@@ -231,9 +230,9 @@ class FaultPolicy:
         probe, self._probe = self._probe, None
         if probe is not None:
             probe.cancel()
-            # The probe ends by its cancellation; nothing it could raise matters now.
-            with contextlib.suppress(BaseException):
-                await probe
+            # Wait for it to end without taking its outcome (its own cancellation);
+            # a cancellation of the closer itself still reaches the closer.
+            await asyncio.wait([probe])
 
     async def _reconnect(self) -> None:
         """Probe the backend with exponential backoff until it answers, then resume."""
