@@ -81,11 +81,6 @@ class Operations:
         """Write-throughs waiting for host room."""
         return len(self._deferred)
 
-    @property
-    def own_tasks(self) -> int:
-        """The facade's background tasks running now."""
-        return len(self._own)
-
     # -- what may release room ------------------------------------------------------
 
     def device_may_free(self, ctl: TierController) -> bool:
