@@ -116,9 +116,8 @@ def _copy_source(
 ) -> tuple[torch.Tensor, Pages]:
     """The slots a copy reads, and their pages, checked before anything changes.
 
-    A queued copy reads its slots when it runs, and its ack hands them out:
-    the slots returned are not the caller's tensor ``given``, which it may
-    reuse after the call.
+    The slots returned may be the caller's tensor ``given``: a copy that is
+    queued takes them through `_own`.
 
     Raises:
         InvalidInputError: bad slots, or slots that are not allocated.
@@ -133,6 +132,14 @@ def _copy_source(
         raise StateError(busy)
     if books.spoiled(pages):
         raise StateError(spoiled)
+    return slots, pages
+
+
+def _own(source: tuple[torch.Tensor, Pages], given: object) -> tuple[torch.Tensor, Pages]:
+    """``source`` (from `_copy_source`) with slots of its own where they are the caller's
+    tensor ``given``, which it may reuse after the call: a queued copy reads them
+    when it runs, and its ack hands them out."""
+    slots, pages = source
     return (slots.clone() if slots is given else slots), pages
 
 
@@ -519,6 +526,7 @@ class TierController(StorageVerbs, AsyncResource):
         """
         self._check_open()
         dev = _copy_source(self.ledger.device, device_indices, self.layout.page_size, "write")
+        dev = _own(dev, device_indices)
         priority, node_id, track = _op_args(priority, node_id, track)
         ready_ev = self.ready_event(ready, "submit_write")
         return self._copies.queue_write(dev, priority, node_id, track, ready_ev)
@@ -586,6 +594,7 @@ class TierController(StorageVerbs, AsyncResource):
         """
         self._check_open()
         host = _copy_source(self.ledger.host, host_indices, self.layout.page_size, "load")
+        host = _own(host, host_indices)
         priority, node_id, track = _op_args(priority, node_id, track)
         ready_ev = self.ready_event(ready, "submit_load")
         return self._copies.queue_load(host, priority, node_id, track, ready_ev)
@@ -641,9 +650,13 @@ class TierController(StorageVerbs, AsyncResource):
         Returns:
             The host slots (the caller owns them), or ``None`` when host memory is full.
 
-        The write starts on the next loop iteration, merged with the writes
-        queued by then, also when ``auto_start_writes`` is off (as `load_back`
-        starts its load without waiting for `start_loading`).
+        On a CPU device, a copy of at most ``inline_copy_bytes`` is made in
+        the call, by page ids, and the call returns without yielding: the
+        caller's bytes are in place when it calls, the host slots are new,
+        and such a copy takes less time than the loop turns of a queued one.
+        Otherwise the write starts on the next loop iteration, merged with the
+        writes queued by then, also when ``auto_start_writes`` is off (as
+        `load_back` starts its load without waiting for `start_loading`).
 
         Cancelling the caller does not stop the copy; its host slots are freed
         when it finishes, so nothing leaks. A failed copy frees them and raises.
@@ -656,10 +669,17 @@ class TierController(StorageVerbs, AsyncResource):
         if _is_large(device_indices):
             ready = self.ready_event(ready, "backup")  # ordered after what came before the call
             await asyncio.sleep(0)
-        ack = self.submit_write(device_indices, priority, track=False, ready=ready)
+        self._check_open()
+        dev = _copy_source(self.ledger.device, device_indices, self.layout.page_size, "write")
+        priority = _op_args(priority, None, False)[0]
+        ready_ev = self.ready_event(ready, "backup")
+        copies = self._copies
+        if copies.copies_now(dev[0].numel()):
+            return copies.write_now(dev[1])
+        ack = copies.queue_write(_own(dev, device_indices), priority, None, False, ready_ev)
         if ack is None:
             return None
-        self._copies.schedule_start("write")  # also with auto_start_writes off: nobody else may
+        copies.schedule_start("write")  # also with auto_start_writes off: nobody else may
         host = self.ledger.host
         await await_or_release(ack, lambda: host.free(host.pages(ack.host_indices)))
         return ack.host_indices
@@ -672,8 +692,10 @@ class TierController(StorageVerbs, AsyncResource):
         ``ready`` is `submit_load`'s (the last readers of recycled device
         slots; default: the caller's current stream when this is called).
 
-        The load starts on the next loop iteration, merged with the loads
-        other tasks queue in the same iteration (as writes are).
+        A small CPU load is made in the call, as in `backup` (unless a write
+        still fills some of ``host_indices``: the load is then ordered after
+        it). Otherwise the load starts on the next loop iteration, merged with
+        the loads other tasks queue in the same iteration (as writes are).
 
         Returns:
             The device slots (the caller owns them), or ``None`` when device memory is full.
@@ -684,10 +706,17 @@ class TierController(StorageVerbs, AsyncResource):
         if _is_large(host_indices):
             ready = self.ready_event(ready, "load_back")
             await asyncio.sleep(0)
-        ack = self.submit_load(host_indices, priority, track=False, ready=ready)
+        self._check_open()
+        host = _copy_source(self.ledger.host, host_indices, self.layout.page_size, "load")
+        priority = _op_args(priority, None, False)[0]
+        ready_ev = self.ready_event(ready, "load_back")
+        copies = self._copies
+        if copies.copies_now(host[0].numel()) and not self.ledger.host.leased(host[1], Lease.FILL):
+            return copies.load_now(host[1])
+        ack = copies.queue_load(_own(host, host_indices), priority, None, False, ready_ev)
         if ack is None:
             return None
-        self._copies.schedule_start("load")
+        copies.schedule_start("load")
 
         # Its landed layers may still be read by attention queued on the compute
         # stream: the next fill of its slots waits for an event recorded there then.

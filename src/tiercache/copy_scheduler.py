@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import torch
 from tiercache.acks import ControllerStats, CopyAck, LoadHandle, run_callback, settle
 from tiercache.errors import StateError
 from tiercache.ledger import Lease, Ledger, PoolLedger, live_fences
+from tiercache.observe import observe
 from tiercache.transfer.engine import CopyEngine
 from tiercache.transfer.layer_done import LayerDoneCounter, LayerDoneSet
 from tiercache.transfer.streams import Completion, CopyStream
@@ -167,6 +169,7 @@ class CopyScheduler:
         self._cuda = self._device.type == "cuda"
         self._token_bytes = engine.device_pool.layout.token_bytes
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._source: object = None
         self.write_stream: CopyStream | None = None
         self.load_stream: CopyStream | None = None
         self._write_queue: list[_Operation] = []
@@ -187,6 +190,7 @@ class CopyScheduler:
     def open(self, loop: asyncio.AbstractEventLoop, source: object) -> None:
         """Start the copy streams; their timings are reported as ``source``."""
         self._loop = loop
+        self._source = source
         self.write_stream = CopyStream("write", self._device, source=source)
         self.load_stream = CopyStream("load", self._device, source=source)
 
@@ -300,6 +304,83 @@ class CopyScheduler:
         if self._cuda and not indices.is_pinned():
             return indices.pin_memory()
         return indices
+
+    # -- small copies in the call ----------------------------------------------
+
+    def copies_now(self, num_tokens: int) -> bool:
+        """Whether a copy of ``num_tokens`` slots runs in the call (`write_now`, `load_now`).
+
+        On a CPU device, up to ``inline_copy_bytes``: the caller's bytes are
+        in place when it calls, a copy this small takes less time than the
+        loop turns of a queued one, and its slots are new (nothing queued can
+        touch them), so there is no order to keep but the call's own.
+        """
+        return (
+            not self._cuda
+            and num_tokens * self._token_bytes <= self.inline_copy_bytes
+            and self.engine.copies_pages
+        )
+
+    def write_now(self, dev_pages: Pages) -> torch.Tensor | None:
+        """Back up the (checked) device pages into new host slots, in this call.
+
+        Returns:
+            The host slots (the caller owns them), or ``None`` when host memory is full.
+
+        Raises:
+            Exception: the copy failed (its host slots are freed first).
+        """
+        host = self.ledger.host
+        got = host.alloc(dev_pages.size * self.engine.layout.page_size)
+        if got is None:
+            self.stats.host_full += 1
+            return None
+        slots, host_pages = got
+        self._copy_now("write", host_pages, dev_pages, host)
+        host.filled(host_pages)
+        self.ledger.device.copied_out(dev_pages)
+        self.stats.writes += 1
+        self.stats.write_batches += 1
+        self.stats.bytes_device_to_host += slots.numel() * self._token_bytes
+        return slots
+
+    def load_now(self, host_pages: Pages) -> torch.Tensor | None:
+        """Load the (checked) host pages into new device slots, in this call.
+
+        The caller made sure no write still fills them (`Lease.FILL`).
+
+        Returns:
+            The device slots (the caller owns them), or ``None`` when device memory is full.
+
+        Raises:
+            Exception: the copy failed (its device slots are freed first).
+        """
+        device = self.ledger.device
+        got = device.alloc(host_pages.size * self.engine.layout.page_size)
+        if got is None:
+            self.stats.device_full += 1
+            return None
+        slots, dev_pages = got
+        self._copy_now("load", host_pages, dev_pages, device)
+        device.filled(dev_pages)
+        self.stats.loads += 1
+        self.stats.load_batches += 1
+        self.stats.bytes_host_to_device += slots.numel() * self._token_bytes
+        return slots
+
+    def _copy_now(self, kind: str, host_pages: Pages, dev_pages: Pages, into: PoolLedger) -> None:
+        """The copy of `write_now` / `load_now`, timed as a copy stream's job; on
+        failure the new pages of ``into`` are freed and the error counted."""
+        started = time.perf_counter()
+        try:
+            self.engine.copy_pages(kind == "write", host_pages.tolist(), dev_pages.tolist())
+        except BaseException as e:
+            into.free(host_pages if kind == "write" else dev_pages)
+            self.stats.copy_errors += 1
+            logger.warning("a %s copy of 1 operation failed: %r", kind, e)
+            observe("copy", kind, time.perf_counter() - started, "error", source=self._source)
+            raise
+        observe("copy", kind, time.perf_counter() - started, source=self._source)
 
     # -- device -> host -------------------------------------------------------
 

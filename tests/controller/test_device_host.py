@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import tiercache.controller as controller_module
 from tiercache import DeviceKVPool, HostKVPool, KVLayout, PageAllocator, TierController
 from tiercache.errors import (
     ClosedError,
@@ -275,8 +276,11 @@ async def test_full_host_and_device_return_none_and_keep_accounting() -> None:
 async def test_a_cancel_as_the_copy_settles_frees_at_once_not_after_a_reset(verb: str) -> None:
     """A `backup` / `load_back` cancelled after its copy settled, but before it
     resumed, frees its slots then: not a loop iteration later, when a `reset`
-    and the next owner of those slots may have come in between."""
-    async with make() as c:
+    and the next owner of those slots may have come in between.
+
+    inline_copy_bytes=0: the copy is queued (a small one is made in the call,
+    which never yields and so cannot be cancelled part-way)."""
+    async with make(inline_copy_bytes=0) as c:
         handler_calls: list[object] = []
         asyncio.get_running_loop().set_exception_handler(lambda _l, ctx: handler_calls.append(ctx))
         src, host = await backed_up(c, 32)
@@ -358,7 +362,9 @@ async def test_cancelling_a_backup_or_load_leaks_nothing(
 async def test_a_failing_copy_fails_its_layers_frees_and_leaves_the_controller_working(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async with make(layers=4) as c:
+    # inline_copy_bytes=0: every copy is queued, layer by layer (the copies made
+    # in the call: test_a_failing_copy_in_the_call_frees_its_slots_and_raises).
+    async with make(layers=4, inline_copy_bytes=0) as c:
         src, host = await backed_up(c, 32)
         real = c.engine.load_layer
 
@@ -592,8 +598,10 @@ async def test_reset_frees_everything_and_close_drains_queued_writes() -> None:
 
 async def test_backup_starts_its_own_write_when_writes_do_not_start_themselves() -> None:
     """With ``auto_start_writes`` off nobody else may call `start_writing`:
-    `backup` starts its write (merged with what is queued), as `load_back` its load."""
-    async with make(auto_start_writes=False) as c:
+    `backup` starts its write (merged with what is queued), as `load_back` its load.
+
+    inline_copy_bytes=0: copies are queued (a small one is made in the call)."""
+    async with make(auto_start_writes=False, inline_copy_bytes=0) as c:
         queued_src = c.device_allocator.alloc(16)
         src = c.device_allocator.alloc(32)
         assert queued_src is not None and src is not None
@@ -678,7 +686,8 @@ def scattered_view(slots: torch.Tensor, ps: int) -> torch.Tensor:
 
 
 async def test_concurrent_load_backs_merge_into_one_copy() -> None:
-    async with make() as c:
+    # Queued copies merge; inline_copy_bytes=0 queues these small ones too.
+    async with make(inline_copy_bytes=0) as c:
         hosts = []
         for _ in range(4):
             src = c.device_allocator.alloc(16)
@@ -788,7 +797,7 @@ async def test_layer_futures_say_the_same_whenever_they_are_first_watched(watch:
 @pytest.mark.parametrize("verb", ["backup", "load_back"])
 @pytest.mark.parametrize("pages", [1, 4096])
 async def test_a_large_transfer_yields_before_its_checks_and_a_small_one_does_not(
-    verb: str, pages: int
+    verb: str, pages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """backup / load_back of 64k slots or more let the loop run once before the
     O(slots) checks, so they never share a loop step with the caller's work;
@@ -799,14 +808,14 @@ async def test_a_large_transfer_yields_before_its_checks_and_a_small_one_does_no
         src, host = await backed_up(c, n) if verb == "load_back" else (None, None)
         dev = c.device_allocator.alloc(n) if verb == "backup" else None
         ran: list[bool] = []
-        submit = c.submit_write if verb == "backup" else c.submit_load
+        check = controller_module._copy_source
         checked_after: list[bool] = []
 
         def spy(*args: object, **kw: object) -> object:
             checked_after.append(bool(ran))
-            return submit(*args, **kw)  # type: ignore[arg-type]
+            return check(*args, **kw)  # type: ignore[arg-type]
 
-        setattr(c, "submit_write" if verb == "backup" else "submit_load", spy)
+        monkeypatch.setattr(controller_module, "_copy_source", spy)
         asyncio.get_running_loop().call_soon(ran.append, True)
         if verb == "backup":
             assert dev is not None

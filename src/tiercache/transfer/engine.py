@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -441,6 +441,7 @@ class CopyEngine:
         self._helper_lock = threading.Lock()
         self._rows_cache: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._arrays_cache: list[list[tuple[Rows, Rows]]] | None = None
+        self._pages_cache: tuple[Rows, Rows] | None = None
 
     def _helper_pool(self, nbytes: int) -> concurrent.futures.ThreadPoolExecutor | None:
         """The thread that shares a CPU copy of ``nbytes``, or ``None`` to copy alone.
@@ -508,6 +509,57 @@ class CopyEngine:
             arrays = [[(d.numpy(), s.numpy()) for d, s in pairs] for pairs in self._layer_rows()]
             self._arrays_cache = arrays
         return arrays
+
+    @property
+    def copies_pages(self) -> bool:
+        """Whether `copy_pages` serves these pools: a CPU device pool allocated as one tensor."""
+        return self.device.type == "cpu" and self.device_pool.joint is not None
+
+    def _page_arrays(self) -> tuple[Rows, Rows]:
+        """The device and host pools as ``(B, L, slots, row)`` integer numpy views.
+
+        A ``page_first`` host pool is ``(B, slots, L, row)`` in memory: its
+        view swaps the two middle axes (a strided view, no copy).
+        """
+        arrays = self._pages_cache
+        if arrays is None:
+            joint, host = self.device_pool.joint, self.host_pool
+            assert joint is not None
+            B, L = self.layout.num_buffers, self.layout.num_layers
+            dev = _int_view(joint.view(B, L, joint.shape[2], -1)).numpy()
+            buf = _int_view(host.buffer.view(*host.buffer.shape[:3], -1)).numpy()
+            if host.host_layout != "layer_first":
+                buf = buf.swapaxes(1, 2)
+            arrays = self._pages_cache = (dev, buf)
+        return arrays
+
+    def copy_pages(
+        self, to_host: bool, host_pages: Sequence[int], device_pages: Sequence[int]
+    ) -> None:
+        """Copy whole pages between the pools by page id, every layer and buffer at once.
+
+        The small-copy path of a CPU device pool (`copies_pages`): no slot
+        tensors and no plan, one ``np.copyto`` per run of pages that follow
+        each other on both sides. The caller checked the page ids; the two
+        sequences have the same length. ``to_host``: device -> host, else
+        host -> device.
+        """
+        dev, host = self._page_arrays()
+        src, dst = (dev, host) if to_host else (host, dev)
+        ps = self.layout.page_size
+        n = len(host_pages)
+        i = 0
+        while i < n:
+            h0, d0 = host_pages[i], device_pages[i]
+            j = i + 1
+            while j < n and host_pages[j] == h0 + j - i and device_pages[j] == d0 + j - i:
+                j += 1
+            hs, ds = slice(h0 * ps, (h0 + j - i) * ps), slice(d0 * ps, (d0 + j - i) * ps)
+            if to_host:
+                np.copyto(dst[:, :, hs], src[:, :, ds])
+            else:
+                np.copyto(dst[:, :, ds], src[:, :, hs])
+            i = j
 
     def close(self) -> None:
         """Stop the engine's own helper thread, if it started one. Idempotent.
