@@ -74,14 +74,14 @@ def test_runner_writes_transfer_and_controller_results(tmp_path: Path) -> None:
         (r["page"], r["op"], r["in_flight"], r["loop"]) for r in controller["rates"]
     ) == sorted(
         (page, op, n, loop)
-        for page in ("16 KiB", "768 KiB")
+        for page in ("16 KiB", "768 KiB", "4 MiB")
         for op in ("write", "load")
         for n in (1, 8)
         for loop in ("asyncio", "uvloop")
     )
     for r in controller["rates"]:
         assert _positive(r["async_ops_per_s"]) and _positive(r["floor_ops_per_s"]), r
-        assert r["copies_off_loop"] == (r["page"] == "768 KiB"), r
+        assert r["copies_off_loop"] == (r["page"] == "4 MiB"), r
     for lag in [*controller["lag"].values(), *controller["lag_small_pages"].values()]:
         assert lag["ticks"] > 0 and _positive(lag["round_trip_s"])
         assert lag["lag_p50_ms"] <= lag["lag_p99_ms"] <= lag["lag_max_ms"]

@@ -121,6 +121,11 @@ def _check_small_runs(slots: list[int], page_size: int, num_slots: int, what: st
     """Range and alignment of a few pages of slots, as Python ints; returns their page ids."""
     if not slots:
         return []
+    if len(slots) == page_size:  # one page (most operations): one run to compare
+        first = slots[0]
+        if 0 <= first and first + page_size <= num_slots and not first % page_size:
+            if slots == list(range(first, first + page_size)):
+                return [first // page_size]
     lo, hi = min(slots), max(slots)
     if lo < 0 or hi >= num_slots:
         raise InvalidInputError(f"{what} out of range [0, {num_slots}): min {lo}, max {hi}")
