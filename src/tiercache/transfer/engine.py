@@ -764,15 +764,28 @@ class CopyEngine:
     ) -> None:
         """Runs of every layer and buffer at once from a (CPU) joint ``(B, L, S, H, D)`` pool.
 
-        One ``np.copyto`` a run of integer rows (K and V together, every
-        layer), no temporary: numpy lets go of the GIL and never starts
-        OpenMP threads, whose team on a copy stream's thread would compete
-        with the event loop's for the cores (torch's ``copy_`` took 2-7x as
-        long for a 768 KiB page there).
+        One copy a run of integer rows (K and V together, every layer), no
+        temporary. A run under `_PARALLEL_MIN_BYTES` is one ``np.copyto``:
+        numpy never starts OpenMP threads, whose team on a copy stream's
+        thread costs more than such a copy (torch's ``copy_`` took 2-7x as
+        long for a 768 KiB page there); a longer one is torch's ``copy_``,
+        spread over its threads.
         """
-        dev, host = self._page_arrays()
+        token_bytes = self.layout.token_bytes
+        host = self.host_pool
+        B, L = self.layout.num_buffers, self.layout.num_layers
         for h0, d0, n in runs:
-            np.copyto(host[:, :, h0 : h0 + n], dev[:, :, d0 : d0 + n])
+            if n * token_bytes < _PARALLEL_MIN_BYTES:
+                dev_rows, host_rows = self._page_arrays()
+                np.copyto(host_rows[:, :, h0 : h0 + n], dev_rows[:, :, d0 : d0 + n])
+                continue
+            with torch.inference_mode():
+                src = _int_view(joint.view(B, L, joint.shape[2], -1))[:, :, d0 : d0 + n]
+                dst_all = _int_view(host.buffer.view(*host.buffer.shape[:3], -1))
+                if host.host_layout == "layer_first":
+                    dst_all[:, :, h0 : h0 + n].copy_(src)
+                else:
+                    dst_all[:, h0 : h0 + n].copy_(src.transpose(1, 2))
 
     def _backup_gather(self, b: int, src_all: torch.Tensor, plan: TransferPlan) -> None:
         """Scattered slots of every layer, gathered on the device in bounded chunks."""
@@ -840,10 +853,7 @@ class CopyEngine:
                 arrays = self._layer_arrays()[layer]
                 _copy_chunks(arrays, plan.chunks, nbytes, self._helper_pool(nbytes))
                 return
-            # A few runs: one ``np.copyto`` each (see `_backup_runs_joint`).
-            for dst, src in self._layer_arrays()[layer]:
-                for s0, t0, n in plan.runs:
-                    np.copyto(dst[t0 : t0 + n], src[s0 : s0 + n])
+            self._load_layer_runs(layer, plan.runs, plan.num_tokens)
             return
         for b in range(self.layout.num_buffers):
             src = self.host_pool.layer(b, layer)
@@ -854,6 +864,21 @@ class CopyEngine:
                 self._copy_runs(dst, src, plan.runs)
             else:
                 self._load_gathered(src, dst, plan)
+
+    def _load_layer_runs(
+        self, layer: int, runs: tuple[tuple[int, int, int], ...], num_tokens: int
+    ) -> None:
+        """A few runs of one layer (CPU): each one copy, by numpy when the load is
+        short, else by torch spread over its threads (see `_backup_runs_joint`)."""
+        if num_tokens * self.layout.token_bytes < _PARALLEL_MIN_BYTES:
+            for dst_a, src_a in self._layer_arrays()[layer]:
+                for s0, t0, n in runs:
+                    np.copyto(dst_a[t0 : t0 + n], src_a[s0 : s0 + n])
+            return
+        with torch.inference_mode():
+            for dst, src in self._layer_rows()[layer]:
+                for s0, t0, n in runs:
+                    dst[t0 : t0 + n].copy_(src[s0 : s0 + n])
 
     def _load_staged(
         self,
