@@ -32,6 +32,7 @@ import torch
 from tiercache.acks import ControllerStats, CopyAck, LoadHandle, run_callback, settle
 from tiercache.errors import StateError
 from tiercache.ledger import Lease, Ledger, PoolLedger, live_fences
+from tiercache.observe import active as observe_active
 from tiercache.observe import observe
 from tiercache.transfer.engine import CopyEngine
 from tiercache.transfer.layer_done import LayerDoneCounter, LayerDoneSet
@@ -371,7 +372,8 @@ class CopyScheduler:
     def _copy_now(self, kind: str, host_pages: Pages, dev_pages: Pages, into: PoolLedger) -> None:
         """The copy of `write_now` / `load_now`, timed as a copy stream's job; on
         failure the new pages of ``into`` are freed and the error counted."""
-        started = time.perf_counter()
+        timed = observe_active()
+        started = time.perf_counter() if timed else 0.0
         try:
             self.engine.copy_pages(kind == "write", host_pages.tolist(), dev_pages.tolist())
         except BaseException as e:
@@ -380,7 +382,8 @@ class CopyScheduler:
             logger.warning("a %s copy of 1 operation failed: %r", kind, e)
             observe("copy", kind, time.perf_counter() - started, "error", source=self._source)
             raise
-        observe("copy", kind, time.perf_counter() - started, source=self._source)
+        if timed:
+            observe("copy", kind, time.perf_counter() - started, source=self._source)
 
     # -- device -> host -------------------------------------------------------
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-__all__ = ["LatencySink", "add_sink", "observe", "remove_sink", "sinks"]
+__all__ = ["LatencySink", "active", "add_sink", "observe", "remove_sink", "sinks"]
 
 
 class LatencySink(Protocol):
@@ -57,6 +57,11 @@ def remove_sink(sink: LatencySink) -> None:
     global _sinks
     with _lock:
         _sinks = tuple((s, src) for s, src in _sinks if s is not sink)
+
+
+def active() -> bool:
+    """Whether any sink listens (a caller may skip timing what nobody reads)."""
+    return bool(_sinks)
 
 
 def sinks() -> tuple[LatencySink, ...]:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tiercache import DeviceKVPool, HostKVPool, KVLayout, TierController
+from tiercache import DeviceKVPool, HostKVPool, KVLayout, TierController, observe
 from tiercache.errors import InvalidInputError, StateError
 
 PS = 16
@@ -307,3 +307,28 @@ async def test_many_tasks_each_get_their_own_pages_back() -> None:
         for s, d in zip(srcs, outs, strict=True):
             assert same(device_kv(c, d), device_kv(c, s))
         assert c.host_allocator.available == c.host_pool.num_slots
+
+
+async def test_a_copy_in_the_call_is_timed_for_the_sinks_that_listen() -> None:
+    seen: list[tuple[str, str, str]] = []
+
+    class Sink:
+        def observe(self, kind: str, op: str, seconds: float, outcome: str) -> None:
+            assert seconds >= 0
+            seen.append((kind, op, outcome))
+
+    sink = Sink()
+    async with make() as c:
+        src = c.device_allocator.alloc(PS)
+        assert src is not None
+        host = await c.backup(src)  # before the sink listens
+        assert host is not None
+        observe.add_sink(sink, source=c.observe_source)
+        try:
+            assert observe.active()
+            again = await c.backup(src)
+            back = await c.load_back(host)
+            assert again is not None and back is not None
+        finally:
+            observe.remove_sink(sink)
+    assert seen == [("copy", "write", "ok"), ("copy", "load", "ok")]

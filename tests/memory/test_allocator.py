@@ -282,3 +282,51 @@ def test_slot_checks_find_a_defect_on_either_side_of_a_chunk_boundary(page_size:
             verdict = _reference_verdict(bad.tolist(), page_size, num_slots)
             assert verdict != "ok" or page_size == 1
             assert _verdict(bad.tolist(), page_size, num_slots) == verdict, (where, delta)
+
+
+def test_one_page_comes_back_from_the_pages_freed_last() -> None:
+    """A one-page allocation takes the page freed last (its bytes are likely in
+    cache); longer ones still come off the free list in order, as runs."""
+    a = PageAllocator(16 * 16, 16)
+    x = a.alloc(4 * 16)
+    assert x is not None
+    a.free(x[16:32])  # page 1
+    a.free(x[48:64])  # page 3
+    one = a.alloc(16)
+    assert one is not None and torch.equal(one, torch.arange(48, 64))
+    run = a.alloc(2 * 16)  # off the free list: pages 4 and 5
+    assert run is not None and torch.equal(run, torch.arange(64, 96))
+    again = a.alloc(16)
+    assert again is not None and torch.equal(again, torch.arange(16, 32))
+    assert a.available == 16 * 16 - 6 * 16
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_page_is_handed_out_twice_whatever_the_order_of_allocs_and_frees(seed: int) -> None:
+    """A model of the pool against the allocator: one-page and longer
+    allocations, frees of one or many pages, merges of the free list."""
+    rng = np.random.default_rng(seed)
+    ps, pages = 4, 64
+    a = PageAllocator(pages * ps, ps)
+    held: list[torch.Tensor] = []
+    owned: set[int] = set()
+    for _ in range(2000):
+        if held and rng.random() < 0.45:
+            k = int(rng.integers(1, min(len(held), 12) + 1))
+            batch = [held.pop(int(rng.integers(len(held)))) for _ in range(k)]
+            slots = torch.cat(batch)
+            a.free(slots)
+            for p in (slots[::ps] // ps).tolist():
+                owned.remove(p)
+        else:
+            need = 1 if rng.random() < 0.6 else int(rng.integers(2, 9))
+            got = a.alloc(need * ps)
+            if got is None:
+                assert a.available < need * ps
+                continue
+            new = (got[::ps] // ps).tolist()
+            assert not owned & set(new) and len(set(new)) == len(new)
+            owned |= set(new)
+            held.extend(got.view(-1, ps))
+        assert a.available == (pages - len(owned)) * ps
+        assert all(a.is_allocated(torch.arange(p * ps, (p + 1) * ps)) for p in owned)

@@ -548,6 +548,13 @@ class CopyEngine:
         src, dst = (dev, host) if to_host else (host, dev)
         ps = self.layout.page_size
         n = len(host_pages)
+        if n == 1:  # one page (most operations)
+            h0, d0 = host_pages[0] * ps, device_pages[0] * ps
+            if to_host:
+                np.copyto(dst[:, :, h0 : h0 + ps], src[:, :, d0 : d0 + ps])
+            else:
+                np.copyto(dst[:, :, d0 : d0 + ps], src[:, :, h0 : h0 + ps])
+            return
         i = 0
         while i < n:
             h0, d0 = host_pages[i], device_pages[i]
