@@ -19,6 +19,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +51,36 @@ def copy_helper() -> concurrent.futures.ThreadPoolExecutor | None:
 def _bind_device(device: torch.device) -> None:
     """A CUDA stream's thread: make ``device`` the thread's current device (thread start)."""
     torch.cuda.set_device(device)
+
+
+#: How much less CPU priority a CPU copy thread takes than the event loop's
+#: (Linux ``nice``): a copy may use every core while the loop sleeps, and
+#: the loop's thread gets a core back as soon as it wakes.
+COPY_NICENESS = 10
+
+
+def _thread_nice() -> int | None:
+    """The calling thread's nice value (Linux), or ``None`` where a thread has none of its own."""
+    if not sys.platform.startswith("linux"):  # elsewhere a thread id is not a ``who``
+        return None
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (AttributeError, OSError):
+        return None
+
+
+def _yield_to_the_loop(base: int | None) -> None:
+    """A CPU copy thread's start: run `COPY_NICENESS` below ``base``, the nice
+    value of the thread that made the stream (the event loop's).
+
+    The copy's OpenMP threads, started from this thread, inherit it. On
+    Linux a thread has its own nice value (``setpriority`` of its id); where
+    that is not so, or not allowed, nothing changes.
+    """
+    if base is None:
+        return
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), base + COPY_NICENESS)
 
 
 def new_event() -> torch.cuda.Event:
@@ -119,7 +151,9 @@ class CopyStream:
         # before anything else: a CUDA call (an event's synchronize) on a
         # thread that never chose one runs in device 0's context, creating it.
         bind: dict[str, Any] = (
-            {"initializer": _bind_device, "initargs": (device,)} if self.is_cuda else {}
+            {"initializer": _bind_device, "initargs": (device,)}
+            if self.is_cuda
+            else {"initializer": _yield_to_the_loop, "initargs": (_thread_nice(),)}
         )
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"tiercache-{name}", **bind
@@ -136,7 +170,9 @@ class CopyStream:
             None
             if self.is_cuda
             else concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"tiercache-{name}-helper"
+                max_workers=1,
+                thread_name_prefix=f"tiercache-{name}-helper",
+                **bind,
             )
         )
         self._closed = False
