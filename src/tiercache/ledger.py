@@ -183,6 +183,8 @@ class PoolLedger:
     def leased(self, pages: Pages, kind: Lease | None = None) -> bool:
         """Whether a lease (of ``kind``, or of any kind) is held on any of ``pages``."""
         counts = self._busy if kind is None else self._leases[kind]
+        if pages.size == 1:
+            return bool(counts[pages[0]])
         if pages.size > _SMALL:
             return bool(counts[pages].any())
         return any(counts[p] for p in pages.tolist())
@@ -223,6 +225,13 @@ class PoolLedger:
             return
         counts, owners = self._counts, self._owner
         to = int(owner)  # a plain int: numpy converts an IntEnum slowly
+        if pages.size == 1:  # one page (most operations)
+            p = int(pages[0])
+            counts[owners[p]] -= 1
+            owners[p] = to
+            counts[to] += 1
+            counts[0] = 0  # Owner.FREE is not counted
+            return
         if pages.size > _SMALL:
             for o, k in enumerate(np.bincount(owners[pages], minlength=4).tolist()):
                 counts[o] -= k

@@ -294,7 +294,8 @@ class PageAllocator:
             self._num_released -= 1
             one = np.array([page], dtype=np.int64)
             one.flags.writeable = False
-            return self._slots(one, increasing=True), one
+            first = page * self.page_size
+            return torch.from_numpy(np.arange(first, first + self.page_size)), one
         if need > self._free.size:
             if need > self._free.size + self._num_released:
                 return None
@@ -347,11 +348,15 @@ class PageAllocator:
     def _free_few(self, pages: list[int]) -> None:
         """`free_pages` of a few pages, as Python ints (numpy's per-call cost dominates there)."""
         allocated = self._allocated
-        bad = [p for p in pages if not allocated[p]]
-        if bad:
-            raise DoubleFreeError(f"freeing pages that are not allocated (first: {bad[:4]})")
-        if len(set(pages)) != len(pages):
-            raise DoubleFreeError("the same page is listed twice in one free")
+        if len(pages) == 1:
+            if not allocated[pages[0]]:
+                raise DoubleFreeError(f"freeing pages that are not allocated (first: {pages})")
+        else:
+            bad = [p for p in pages if not allocated[p]]
+            if bad:
+                raise DoubleFreeError(f"freeing pages that are not allocated (first: {bad[:4]})")
+            if len(set(pages)) != len(pages):
+                raise DoubleFreeError("the same page is listed twice in one free")
         for p in pages:
             allocated[p] = False
         self._num_released += len(pages)
@@ -392,6 +397,8 @@ class PageAllocator:
 
     def pages_allocated(self, pages: npt.NDArray[np.int64]) -> bool:
         """Whether every page id in ``pages`` (of this pool) is currently allocated."""
+        if pages.size == 1:
+            return bool(self._allocated[pages[0]])
         if pages.size <= _FEW_PAGES:
             allocated = self._allocated
             return all(allocated[p] for p in pages.tolist())
