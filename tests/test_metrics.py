@@ -88,6 +88,7 @@ def _check_cache_samples(samples: Samples, stats: Any, token_bytes: int, **label
     assert g("tiercache_prefetches_total") == stats.prefetches
     assert g("tiercache_storage_backups_total") == stats.storage_backups
     assert g("tiercache_storage_auto_detaches_total") == stats.storage_auto_detaches
+    assert g("tiercache_host_writes_skipped_total") == stats.host_writes_skipped
     assert g("tiercache_storage_outages_total") == stats.storage_outages
     assert g("tiercache_storage_reconnects_total") == stats.storage_reconnects
     assert g("tiercache_storage_errors_total") == stats.storage_errors

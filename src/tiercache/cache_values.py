@@ -61,6 +61,10 @@ class CacheStats:
     host_evictions: int = 0
     host_evicted_tokens: int = 0
     write_backs: int = 0
+    #: Device->host writes the write policy left out for want of host room
+    #: (the node stays device-only): refused by the controller, or given up
+    #: on because nothing in flight would free the room.
+    host_writes_skipped: int = 0
     loads_back: int = 0
     prefetches: int = 0
     bytes_device_to_host: int = 0

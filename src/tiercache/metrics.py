@@ -51,6 +51,8 @@ name                                        type       meaning
 ``storage_outages_total``                   counter    times the backend was declared down
 ``storage_reconnects_total``                counter    times a down backend answered again
 ``storage_auto_detaches_total``             counter    backends detached by the fault policy
+``host_writes_skipped_total``               counter    device->host writes left out for want of
+                                                       host room (the node stays device-only)
 ``storage_attached``                        gauge      1 while a storage backend is attached
 ``storage_up``                              gauge      1 attached and answering, 0 attached and
                                                        down (probing); absent when none is attached
@@ -162,6 +164,11 @@ _CACHE_COUNTERS: tuple[tuple[str, str, str], ...] = (
         "storage_auto_detaches",
         "storage_auto_detaches",
         "Storage backends detached by the fault policy.",
+    ),
+    (
+        "host_writes_skipped",
+        "host_writes_skipped",
+        "Device-to-host writes left out for want of host room.",
     ),
 )
 _BACKEND_COUNTERS: tuple[tuple[str, str, str], ...] = (

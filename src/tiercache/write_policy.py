@@ -97,6 +97,7 @@ class WritePolicy:
             return None
         ack = ctl.submit_write(node.device_indices, node_id=node.id, track=False, ready=ready)
         if ack is None:
+            self.stats.host_writes_skipped += 1
             return None  # host full: the node stays device-only
         wid = self._index.begin_write(node, ack.host_indices)
         ack.add_done_callback(lambda a: self._write_done(wid, a))
@@ -111,7 +112,7 @@ class WritePolicy:
             or not (room.host_will_free() or room.host)
             or not self._ops.defer(node.id)
         ):
-            self._ctl.stats.host_full += 1
+            self.stats.host_writes_skipped += 1
             return  # nothing will free host room: the node stays device-only
 
         async def write() -> None:
