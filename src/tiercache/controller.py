@@ -490,6 +490,25 @@ class TierController(StorageVerbs, AsyncResource):
         """
         self._fences.use_compute_stream(stream)
 
+    def _copy_args(
+        self,
+        kind: Literal["write", "load"],
+        given: object,
+        priority: object,
+        node_id: object,
+        track: object,
+        ready: Ready,
+        what: str,
+    ) -> tuple[tuple[torch.Tensor, Pages], int, int | None, bool, torch.cuda.Event | None]:
+        """The copy verbs' checks, before anything changes: the controller is open,
+        the slots a copy of ``kind`` reads (`_copy_source`), its other arguments
+        (`_op_args`) and ``ready`` (resolved now, as ``what``)."""
+        self._check_open()
+        books = self.ledger.device if kind == "write" else self.ledger.host
+        source = _copy_source(books, given, self.layout.page_size, kind)
+        priority, node_id, track = _op_args(priority, node_id, track)
+        return source, priority, node_id, track, self.ready_event(ready, what)
+
     # -- device -> host -------------------------------------------------------
 
     def submit_write(
@@ -526,12 +545,12 @@ class TierController(StorageVerbs, AsyncResource):
                 ``device_indices``: back them up once its ack has settled.
             ClosedError / StateError: not open.
         """
-        self._check_open()
-        dev = _copy_source(self.ledger.device, device_indices, self.layout.page_size, "write")
-        dev = _own(dev, device_indices)
-        priority, node_id, track = _op_args(priority, node_id, track)
-        ready_ev = self.ready_event(ready, "submit_write")
-        return self._copies.queue_write(dev, priority, node_id, track, ready_ev)
+        dev, priority, node_id, track, ready_ev = self._copy_args(
+            "write", device_indices, priority, node_id, track, ready, "submit_write"
+        )
+        return self._copies.queue_write(
+            _own(dev, device_indices), priority, node_id, track, ready_ev
+        )
 
     def write(
         self,
@@ -594,12 +613,10 @@ class TierController(StorageVerbs, AsyncResource):
                 ``host_indices`` (load them once it has ended).
             ClosedError / StateError: not open.
         """
-        self._check_open()
-        host = _copy_source(self.ledger.host, host_indices, self.layout.page_size, "load")
-        host = _own(host, host_indices)
-        priority, node_id, track = _op_args(priority, node_id, track)
-        ready_ev = self.ready_event(ready, "submit_load")
-        return self._copies.queue_load(host, priority, node_id, track, ready_ev)
+        host, priority, node_id, track, ready_ev = self._copy_args(
+            "load", host_indices, priority, node_id, track, ready, "submit_load"
+        )
+        return self._copies.queue_load(_own(host, host_indices), priority, node_id, track, ready_ev)
 
     def load(
         self,
@@ -671,13 +688,12 @@ class TierController(StorageVerbs, AsyncResource):
         if _is_large(device_indices):
             ready = self.ready_event(ready, "backup")  # ordered after what came before the call
             await asyncio.sleep(0)
-        self._check_open()
-        dev = _copy_source(self.ledger.device, device_indices, self.layout.page_size, "write")
-        priority = _op_args(priority, None, False)[0]
-        ready_ev = self.ready_event(ready, "backup")
+        dev, priority, _, _, ready_ev = self._copy_args(
+            "write", device_indices, priority, None, False, ready, "backup"
+        )
         copies = self._copies
-        if copies.copies_now(dev[0].numel()):
-            return copies.write_now(dev[1])
+        if copies.copies_now("write", dev):
+            return copies.copy_now("write", dev[1])
         ack = copies.queue_write(_own(dev, device_indices), priority, None, False, ready_ev)
         if ack is None:
             return None
@@ -708,13 +724,12 @@ class TierController(StorageVerbs, AsyncResource):
         if _is_large(host_indices):
             ready = self.ready_event(ready, "load_back")
             await asyncio.sleep(0)
-        self._check_open()
-        host = _copy_source(self.ledger.host, host_indices, self.layout.page_size, "load")
-        priority = _op_args(priority, None, False)[0]
-        ready_ev = self.ready_event(ready, "load_back")
+        host, priority, _, _, ready_ev = self._copy_args(
+            "load", host_indices, priority, None, False, ready, "load_back"
+        )
         copies = self._copies
-        if copies.copies_now(host[0].numel()) and not self.ledger.host.leased(host[1], Lease.FILL):
-            return copies.load_now(host[1])
+        if copies.copies_now("load", host):
+            return copies.copy_now("load", host[1])
         ack = copies.queue_load(_own(host, host_indices), priority, None, False, ready_ev)
         if ack is None:
             return None

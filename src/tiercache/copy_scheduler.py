@@ -308,82 +308,72 @@ class CopyScheduler:
 
     # -- small copies in the call ----------------------------------------------
 
-    def copies_now(self, num_tokens: int) -> bool:
-        """Whether a copy of ``num_tokens`` slots runs in the call (`write_now`, `load_now`).
+    def copies_now(self, kind: Literal["write", "load"], src: tuple[torch.Tensor, Pages]) -> bool:
+        """Whether a copy of ``kind`` reading the (checked) slots ``src`` runs in the call (`copy_now`).
 
         On a CPU device, up to ``inline_copy_bytes``: the caller's bytes are
         in place when it calls, a copy this small takes less time than the
-        loop turns of a queued one, and its slots are new (nothing queued can
-        touch them), so there is no order to keep but the call's own.
+        loop turns of a queued one, and its destination slots are new
+        (nothing queued can touch them), so there is no order to keep but the
+        call's own. A load of host pages a write still fills is queued
+        instead, ordered after that write.
         """
         return (
             not self._cuda
-            and num_tokens * self._token_bytes <= self.inline_copy_bytes
+            and src[0].numel() * self._token_bytes <= self.inline_copy_bytes
             and self.engine.copies_pages
+            and (kind == "write" or not self.ledger.host.leased(src[1], Lease.FILL))
         )
 
-    def write_now(self, dev_pages: Pages) -> torch.Tensor | None:
-        """Back up the (checked) device pages into new host slots, in this call.
+    def copy_now(self, kind: Literal["write", "load"], src_pages: Pages) -> torch.Tensor | None:
+        """Copy the (checked) pages ``src_pages`` into new slots of the other pool, in this call.
+
+        A write reads device pages into new host slots, a load host pages
+        into new device slots; both are counted as a queued copy is.
 
         Returns:
-            The host slots (the caller owns them), or ``None`` when host memory is full.
+            The new slots (the caller owns them), or ``None`` when their pool is full.
 
         Raises:
-            Exception: the copy failed (its host slots are freed first).
+            Exception: the copy failed (the new slots are freed first).
         """
-        host = self.ledger.host
-        got = host.alloc(dev_pages.size * self.engine.layout.page_size)
+        write = kind == "write"
+        dev, host = self.ledger.device, self.ledger.host
+        into = host if write else dev
+        got = into.alloc(src_pages.size * self.engine.layout.page_size)
         if got is None:
-            self.stats.host_full += 1
+            if write:
+                self.stats.host_full += 1
+            else:
+                self.stats.device_full += 1
             return None
-        slots, host_pages = got
-        self._copy_now("write", host_pages, dev_pages, host)
-        host.filled(host_pages)
-        self.ledger.device.copied_out(dev_pages)
-        self.stats.writes += 1
-        self.stats.write_batches += 1
-        self.stats.bytes_device_to_host += slots.numel() * self._token_bytes
-        return slots
-
-    def load_now(self, host_pages: Pages) -> torch.Tensor | None:
-        """Load the (checked) host pages into new device slots, in this call.
-
-        The caller made sure no write still fills them (`Lease.FILL`).
-
-        Returns:
-            The device slots (the caller owns them), or ``None`` when device memory is full.
-
-        Raises:
-            Exception: the copy failed (its device slots are freed first).
-        """
-        device = self.ledger.device
-        got = device.alloc(host_pages.size * self.engine.layout.page_size)
-        if got is None:
-            self.stats.device_full += 1
-            return None
-        slots, dev_pages = got
-        self._copy_now("load", host_pages, dev_pages, device)
-        device.filled(dev_pages)
-        self.stats.loads += 1
-        self.stats.load_batches += 1
-        self.stats.bytes_host_to_device += slots.numel() * self._token_bytes
-        return slots
-
-    def _copy_now(self, kind: str, host_pages: Pages, dev_pages: Pages, into: PoolLedger) -> None:
-        """The copy of `write_now` / `load_now`, timed as a copy stream's job; on
-        failure the new pages of ``into`` are freed and the error counted."""
+        slots, new_pages = got
+        host_pages, dev_pages = (new_pages, src_pages) if write else (src_pages, new_pages)
         timed = observe_active()
         started = time.perf_counter() if timed else 0.0
         try:
-            self.engine.copy_pages(kind == "write", host_pages.tolist(), dev_pages.tolist())
+            self.engine.copy_pages(write, host_pages.tolist(), dev_pages.tolist())
         except BaseException as e:
-            into.free(host_pages if kind == "write" else dev_pages)
+            into.free(new_pages)
             self.stats.copy_errors += 1
             logger.warning("a %s copy of 1 operation failed: %r", kind, e)
-            observe("copy", kind, time.perf_counter() - started, "error", source=self._source)
+            if timed:
+                observe("copy", kind, time.perf_counter() - started, "error", source=self._source)
             raise
         if timed:
             observe("copy", kind, time.perf_counter() - started, source=self._source)
+        into.filled(new_pages)
+        nbytes = slots.numel() * self._token_bytes
+        if write:
+            dev.copied_out(dev_pages)
+            self.stats.writes += 1
+            self.stats.write_batches += 1
+            self.stats.bytes_device_to_host += nbytes
+        else:
+            self.stats.loads += 1
+            self.stats.load_batches += 1
+            self.stats.bytes_host_to_device += nbytes
+        return slots
 
     # -- device -> host -------------------------------------------------------
 

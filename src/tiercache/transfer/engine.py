@@ -539,34 +539,33 @@ class CopyEngine:
         """Copy whole pages between the pools by page id, every layer and buffer at once.
 
         The small-copy path of a CPU device pool (`copies_pages`): no slot
-        tensors and no plan, one ``np.copyto`` per run of pages that follow
+        tensors and no plan, one `_copy_run` per run of pages that follow
         each other on both sides. The caller checked the page ids; the two
         sequences have the same length. ``to_host``: device -> host, else
         host -> device.
         """
-        dev, host = self._page_arrays()
-        src, dst = (dev, host) if to_host else (host, dev)
         ps = self.layout.page_size
         n = len(host_pages)
-        if n == 1:  # one page (most operations)
-            h0, d0 = host_pages[0] * ps, device_pages[0] * ps
-            if to_host:
-                np.copyto(dst[:, :, h0 : h0 + ps], src[:, :, d0 : d0 + ps])
-            else:
-                np.copyto(dst[:, :, d0 : d0 + ps], src[:, :, h0 : h0 + ps])
-            return
         i = 0
         while i < n:
             h0, d0 = host_pages[i], device_pages[i]
             j = i + 1
             while j < n and host_pages[j] == h0 + j - i and device_pages[j] == d0 + j - i:
                 j += 1
-            hs, ds = slice(h0 * ps, (h0 + j - i) * ps), slice(d0 * ps, (d0 + j - i) * ps)
-            if to_host:
-                np.copyto(dst[:, :, hs], src[:, :, ds])
-            else:
-                np.copyto(dst[:, :, ds], src[:, :, hs])
+            self._copy_run(to_host, h0 * ps, d0 * ps, (j - i) * ps)
             i = j
+
+    def _copy_run(self, to_host: bool, h0: int, d0: int, n: int) -> None:
+        """Slots ``h0..h0+n`` of the host pool and ``d0..d0+n`` of the (CPU, joint)
+        device pool, every layer and buffer: one ``np.copyto`` (``to_host``:
+        device -> host). numpy lets go of the GIL and never starts OpenMP
+        threads, whose team on a copy stream's thread costs more than a short
+        copy (torch's ``copy_`` took 2-7x as long for a 768 KiB page there)."""
+        dev, host = self._page_arrays()
+        if to_host:
+            np.copyto(host[:, :, h0 : h0 + n], dev[:, :, d0 : d0 + n])
+        else:
+            np.copyto(dev[:, :, d0 : d0 + n], host[:, :, h0 : h0 + n])
 
     def close(self) -> None:
         """Stop the engine's own helper thread, if it started one. Idempotent.
@@ -772,19 +771,15 @@ class CopyEngine:
         """Runs of every layer and buffer at once from a (CPU) joint ``(B, L, S, H, D)`` pool.
 
         One copy a run of integer rows (K and V together, every layer), no
-        temporary. A run under `_PARALLEL_MIN_BYTES` is one ``np.copyto``:
-        numpy never starts OpenMP threads, whose team on a copy stream's
-        thread costs more than such a copy (torch's ``copy_`` took 2-7x as
-        long for a 768 KiB page there); a longer one is torch's ``copy_``,
-        spread over its threads.
+        temporary. A run under `_PARALLEL_MIN_BYTES` is a `_copy_run`; a
+        longer one is torch's ``copy_``, spread over its threads.
         """
         token_bytes = self.layout.token_bytes
         host = self.host_pool
         B, L = self.layout.num_buffers, self.layout.num_layers
         for h0, d0, n in runs:
             if n * token_bytes < _PARALLEL_MIN_BYTES:
-                dev_rows, host_rows = self._page_arrays()
-                np.copyto(host_rows[:, :, h0 : h0 + n], dev_rows[:, :, d0 : d0 + n])
+                self._copy_run(True, h0, d0, n)
                 continue
             with torch.inference_mode():
                 src = _int_view(joint.view(B, L, joint.shape[2], -1))[:, :, d0 : d0 + n]
@@ -876,7 +871,7 @@ class CopyEngine:
         self, layer: int, runs: tuple[tuple[int, int, int], ...], num_tokens: int
     ) -> None:
         """A few runs of one layer (CPU): each one copy, by numpy when the load is
-        short, else by torch spread over its threads (see `_backup_runs_joint`)."""
+        short (see `_copy_run`), else by torch spread over its threads."""
         if num_tokens * self.layout.token_bytes < _PARALLEL_MIN_BYTES:
             for dst_a, src_a in self._layer_arrays()[layer]:
                 for s0, t0, n in runs:
