@@ -230,7 +230,7 @@ class PoolLedger:
             counts[owners[p]] -= 1
             owners[p] = to
             counts[to] += 1
-            counts[0] = 0  # Owner.FREE is not counted
+            counts[Owner.FREE] = 0
             return
         if pages.size > _SMALL:
             for o, k in enumerate(np.bincount(owners[pages], minlength=4).tolist()):

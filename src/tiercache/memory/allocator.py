@@ -294,8 +294,7 @@ class PageAllocator:
             self._num_released -= 1
             one = np.array([page], dtype=np.int64)
             one.flags.writeable = False
-            first = page * self.page_size
-            return torch.from_numpy(np.arange(first, first + self.page_size)), one
+            return self._slots(one, increasing=True), one
         if need > self._free.size:
             if need > self._free.size + self._num_released:
                 return None
