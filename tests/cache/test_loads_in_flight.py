@@ -153,12 +153,12 @@ async def test_a_failed_load_in_flight_is_reported_to_the_second_caller() -> Non
         engine = c.controller.engine
         gate = threading.Event()
 
-        def load_layer(i: int, plan: Any) -> None:
+        def load_all_layers(plan: Any, on_layer: Any = None) -> None:
             gate.wait(10)
             raise RuntimeError("injected copy failure")
 
         c.controller.inline_copy_bytes = 0
-        engine.load_layer = load_layer  # type: ignore[method-assign]
+        engine.load_all_layers = load_all_layers  # type: ignore[method-assign]
         try:
             _, handle = await c.load_back(c.match_prefix(P))
             _, other = await c.load_back(c.match_prefix(P))
@@ -168,7 +168,7 @@ async def test_a_failed_load_in_flight_is_reported_to_the_second_caller() -> Non
                 await other
         finally:
             gate.set()
-            del engine.load_layer
+            del engine.load_all_layers
         await c.wait_idle()
         m = c.match_prefix(P)
         assert (m.device_tokens, m.host_tokens) == (0, len(P))

@@ -365,10 +365,11 @@ def test_a_large_cpu_copy_is_shared_with_the_helper_thread(
         stream.submit(job).result(timeout=30)
     finally:
         stream.close()
+        engine.close()  # the backup above, made outside a stream, shared with its own helper
     got = _expect(device, d)
     assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
-    assert threads == {"tiercache-chunks_0"}
-    assert log.threads == {"tiercache-chunks_0", "tiercache-chunks-helper_0"}
+    assert threads == {"tiercache-chunks"}
+    assert log.threads == {"tiercache-chunks", "tiercache-chunks-helper_0"}
     # Every chunk once: one token of K and V a copy.
     assert len(log.copies) == len(h) * LAYOUT.num_layers
 
@@ -465,3 +466,149 @@ def test_a_small_cpu_copy_never_leaves_the_calling_thread(monkeypatch: pytest.Mo
     for layer in range(LAYOUT.num_layers):
         engine.load_layer(layer, plan)
     assert not [t for t in threading.enumerate() if t.name.startswith("tiercache-engine")]
+
+
+# -- long runs: pieces shared with the helper, the CPU yielded after each ---------------
+
+
+def _record_pauses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Replace `_pause` with a recorder of the threads that call it."""
+    pauses: list[str] = []
+    monkeypatch.setattr(
+        engine_module, "_pause", lambda: pauses.append(threading.current_thread().name)
+    )
+    return pauses
+
+
+def _contiguous(
+    stacked: bool, host_layout: str
+) -> tuple[
+    DeviceKVPool, HostKVPool, CopyEngine, torch.Tensor, torch.Tensor, list[list[torch.Tensor]]
+]:
+    """`_engine`, the slots of a contiguous pairing, and the device KV they hold."""
+    device, host, engine = _engine(stacked, host_layout)
+    h, d = _slots(PATTERNS["contiguous"][0]), _slots(PATTERNS["contiguous"][1])
+    return device, host, engine, h, d, _expect(device, d)
+
+
+def test_pieces_cover_every_run_once_in_order() -> None:
+    runs = [(0, 100, 10), (40, 7, 3), (90, 0, 1)]
+    pieces = engine_module._pieces(runs, row_bytes=engine_module._PIECE_BYTES // 4)
+    assert all(n <= 4 for _, _, n in pieces)
+    covered = [(s0 + i, t0 + i) for s0, t0, n in pieces for i in range(n)]
+    assert covered == [(s0 + i, t0 + i) for s0, t0, n in runs for i in range(n)]
+    assert engine_module._pieces(runs, row_bytes=1) == tuple(runs)  # within a piece: whole
+    assert engine_module._pieces([], row_bytes=8) == ()
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("stacked", [True, False], ids=["joint", "caller-buffers"])
+def test_long_runs_copy_in_pieces_shared_with_the_helper_yielding_after_each(
+    host_layout: str, stacked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backup and a load of long runs (a fresh allocation) on a CPU pool, one
+    allocated as one tensor or the caller's buffers: cut into pieces of at most
+    `_PIECE_BYTES` a row pair, copied by the stream's worker and its helper,
+    each yielding the CPU after every piece, every byte in place and every
+    layer reported once, in order."""
+    monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    device, host, engine, h, d, want = _contiguous(stacked, host_layout)
+    row = LAYOUT.token_layer_bytes  # one buffer of one layer: a backup's row
+    monkeypatch.setattr(engine_module, "_PIECE_BYTES", 3 * row)  # pieces end inside pages
+    plan = engine.plan(h, d)
+    assert plan.runs is not None and len(plan.runs) == 1 and plan.device_runs is None
+    pauses = _record_pauses(monkeypatch)
+    log = _CopyLog(monkeypatch, delay=0.0005)
+    layers: list[int] = []
+
+    def backup() -> None:
+        engine.backup_all_layers(plan)
+
+    def load() -> None:
+        for bufs in device.buffers:
+            for t in bufs:
+                t.zero_()
+        engine.load_all_layers(plan, layers.append)
+
+    stream = CopyStream("pieces", torch.device("cpu"))
+    try:
+        stream.submit(backup).result(timeout=30)
+        backed_up = list(log.calls)
+        for b in range(LAYOUT.num_buffers):
+            for x in range(LAYOUT.num_layers):
+                assert torch.equal(host.layer(b, x)[h], want[b][x])
+        stream.submit(load).result(timeout=30)
+    finally:
+        stream.close()
+        engine.close()
+    got = _expect(device, d)
+    assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
+    assert layers == [0, 1, 2]
+    tokens = len(h)
+    # The backup: one piece per (buffer, layer) and 3 tokens, none longer.
+    assert len(backed_up) == LAYOUT.num_buffers * LAYOUT.num_layers * -(-tokens // 3)
+    assert all(dst.shape[0] <= 3 for _, dst in backed_up)
+    loaded = log.calls[len(backed_up) :]
+    if stacked:  # a token of K and V is one row of a joint pool: pieces of one token
+        assert len(loaded) == LAYOUT.num_layers * tokens
+    else:  # a row of one buffer: pieces of 3 tokens, per buffer
+        assert len(loaded) == LAYOUT.num_layers * LAYOUT.num_buffers * -(-tokens // 3)
+    assert log.threads == {"tiercache-pieces", "tiercache-pieces-helper_0"}
+    assert len(pauses) == len(log.calls)  # after every piece, on the thread that copied it
+    assert sorted(pauses) == sorted(name for name, _ in log.calls)
+
+
+def test_a_short_copy_never_yields_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below `_PARALLEL_MIN_BYTES` (a copy the event loop may make itself) no pause."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    pauses = _record_pauses(monkeypatch)
+    device, host, engine = _engine(True, "layer_first")
+    for pattern in PATTERNS.values():
+        plan = engine.plan(_slots(pattern[0]), _slots(pattern[1]))
+        engine.backup_all_layers(plan)
+        engine.load_all_layers(plan)
+    assert pauses == []
+
+
+def test_a_long_copy_torch_keeps_to_one_thread_still_yields(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With torch told to use one thread there is no helper, but the copying
+    thread still yields after each piece."""
+    monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(engine_module, "_PIECE_BYTES", 2 * LAYOUT.token_layer_bytes)
+    pauses = _record_pauses(monkeypatch)
+    device, host, engine, h, d, want = _contiguous(True, "page_first")
+    log = _CopyLog(monkeypatch)
+    plan = engine.plan(h, d)
+    stream = CopyStream("alone", torch.device("cpu"))
+    try:
+        stream.submit(lambda: engine.backup_all_layers(plan)).result(timeout=30)
+    finally:
+        stream.close()
+    assert log.threads == {"tiercache-alone"}
+    assert len(pauses) == len(log.calls) > 1
+    assert all(torch.equal(host.layer(b, x)[h], want[b][x]) for b in range(2) for x in range(3))
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["joint", "caller-buffers"])
+def test_a_long_copy_called_directly_is_torchs_and_never_yields(
+    stacked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside a copy stream's job (the caller blocks anyway) a long run is one
+    torch ``copy_`` over its threads: no pieces, no helper, no pause."""
+    monkeypatch.setattr(engine_module, "_PARALLEL_MIN_BYTES", 0)
+    pauses = _record_pauses(monkeypatch)
+    device, host, engine, h, d, want = _contiguous(stacked, "layer_first")
+    log = _CopyLog(monkeypatch)
+    plan = engine.plan(h, d)
+    engine.backup_all_layers(plan)
+    for bufs in device.buffers:
+        for t in bufs:
+            t.zero_()
+    engine.load_all_layers(plan)
+    got = _expect(device, d)
+    assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
+    assert log.calls == [] and pauses == []

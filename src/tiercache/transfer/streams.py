@@ -20,9 +20,11 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +69,31 @@ def _thread_nice() -> int | None:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     except (AttributeError, OSError):
         return None
+
+
+def _start_cpu_copy_thread(base: int | None) -> None:
+    """A CPU copy thread's start: `_yield_to_the_loop`, then `_join_openmp`."""
+    _yield_to_the_loop(base)
+    _join_openmp()
+
+
+def _join_openmp() -> None:
+    """Give the calling thread an OpenMP team of its own (one small parallel op),
+    where torch runs its threads with OpenMP and may use two or more.
+
+    The copies of a CPU copy thread are numpy's: they never start a team. But
+    libgomp spins a team's idle threads for a long while (about 10 ms here)
+    only while no more threads are in teams than there are cores; with the
+    copy threads' teams counted, it spins briefly and sleeps. Without them, a
+    torch op on any other thread (the event loop's, the engine's) left one
+    of its threads spinning at that thread's priority just as a copy began,
+    taking a core from it (measured on 2 cores: a 256 MiB controller backup
+    right after a torch copy on the loop's thread ran at 0.4-0.6 of memcpy,
+    0.74-0.84 with the teams). The team's threads then sleep, unused.
+    """
+    if torch.get_num_threads() > 1 and torch.backends.openmp.is_available():  # type: ignore[no-untyped-call]
+        with torch.inference_mode():
+            torch.ones(1 << 16).add_(1)  # above torch's grain: run by a team
 
 
 def _yield_to_the_loop(base: int | None) -> None:
@@ -153,18 +180,10 @@ class CopyStream:
         bind: dict[str, Any] = (
             {"initializer": _bind_device, "initargs": (device,)}
             if self.is_cuda
-            else {"initializer": _yield_to_the_loop, "initargs": (_thread_nice(),)}
+            else {"initializer": _start_cpu_copy_thread, "initargs": (_thread_nice(),)}
         )
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"tiercache-{name}", **bind
-        )
-        self._completer = (
-            concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"tiercache-{name}-settle", **bind
-            )
-            if self.is_cuda
-            else None
-        )
+        self._executor = _Worker(f"tiercache-{name}", **bind)
+        self._completer = _Worker(f"tiercache-{name}-settle", **bind) if self.is_cuda else None
         #: A CPU stream's second thread for large copies (see `copy_helper`).
         self._helper = (
             None
@@ -303,14 +322,87 @@ class CopyStream:
     def close(self) -> None:
         """Wait for queued jobs and their settling, then stop the threads. Blocking; idempotent."""
         self._closed = True
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown()
         if self._completer is not None:
-            self._completer.shutdown(wait=True)
+            self._completer.shutdown()
         if self._helper is not None:
             self._helper.shutdown(wait=True)
 
     def __repr__(self) -> str:
         return f"CopyStream({self.name!r}, device={self.device})"
+
+
+class _Worker:
+    """One thread that runs the calls handed to it, in order.
+
+    Not a `concurrent.futures.ThreadPoolExecutor`: its ``submit`` takes a
+    lock that its worker also takes after every item (the idle semaphore's),
+    so the event loop's ``submit`` could wait milliseconds for the worker to
+    win the GIL back and let go of it (measured: a 16 KiB-page round trip's
+    ``submit`` took 2.7-3.4 ms, of which 0.3 ms on the CPU). Here the caller
+    only puts the call on a `queue.SimpleQueue`, which takes no Python lock.
+    The calls handle their own errors (`_QueuedJob`): one that raises is
+    logged, and the thread goes on.
+
+    The thread starts on the first call. `shutdown` runs what is queued, then
+    stops it; so does dropping the worker unclosed (as an executor's thread
+    ends once the executor is collected). A daemon thread: copies move bytes
+    between memories the process owns, nothing of theirs outlives it.
+    """
+
+    def __init__(
+        self, name: str, *, initializer: Callable[..., None], initargs: tuple[Any, ...]
+    ) -> None:
+        self._name = name
+        self._init = (initializer, initargs)
+        self._calls: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the thread, after every call handed over before."""
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None:
+                    calls = self._calls
+                    thread = threading.Thread(
+                        target=_work,
+                        args=(self._name, calls, *self._init),
+                        name=self._name,
+                        daemon=True,
+                    )
+                    thread.start()
+                    weakref.finalize(self, calls.put, None)  # ends it once dropped
+                    self._thread = thread
+        self._calls.put((fn, args))
+
+    def shutdown(self) -> None:
+        """Run every call queued so far, then stop the thread (blocking; idempotent)."""
+        with self._start_lock:
+            thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._calls.put(None)
+            if thread is not threading.current_thread():
+                thread.join()
+
+
+def _work(
+    name: str,
+    calls: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None],
+    initializer: Callable[..., None],
+    initargs: tuple[Any, ...],
+) -> None:
+    """A `_Worker`'s thread: the calls of ``calls`` in order, until a ``None``."""
+    initializer(*initargs)
+    while (item := calls.get()) is not None:
+        fn, args = item
+        try:
+            fn(*args)
+        except BaseException:
+            logger.exception("a call on %s failed", name)
+        del item, fn, args  # drop the call's references before waiting for the next
 
 
 class _QueuedJob:
