@@ -405,7 +405,9 @@ def find_private_access(modules: Mapping[str, Module]) -> dict[tuple[str, str], 
 # -- allocator calls and class sizes ---------------------------------------------
 
 #: The `PageAllocator` methods that change which pages are allocated.
-ALLOCATOR_VERBS = frozenset({"alloc", "alloc_pages", "free", "free_pages", "reset"})
+ALLOCATOR_VERBS = frozenset(
+    {"alloc", "alloc_one", "alloc_pages", "free", "free_one", "free_pages", "reset"}
+)
 #: The only modules that may call them (the ledger; the allocator on itself).
 MAY_ALLOCATE = ("tiercache.ledger", "tiercache.memory.allocator")
 #: Engine-side code: owns an allocator as an engine does.

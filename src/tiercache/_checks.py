@@ -382,10 +382,13 @@ def check_slot_tensor(indices: Any, what: str, num_slots: int) -> torch.Tensor:
         )
     cpu = indices.detach()
     cpu = cpu.cpu() if cpu.device.type != "cpu" else cpu
-    if cpu.numel() and (int(cpu.min()) < 0 or int(cpu.max()) >= num_slots):
-        raise InvalidInputError(
-            f"{what} out of range [0, {num_slots}): min {int(cpu.min())}, max {int(cpu.max())}"
-        )
+    if cpu.numel():
+        # numpy's reductions: torch's start an OpenMP team on the calling thread
+        # for 32k slots or more (see `tiercache.memory.allocator.copy_slots`).
+        values = cpu.numpy()
+        lo, hi = int(values.min()), int(values.max())
+        if lo < 0 or hi >= num_slots:
+            raise InvalidInputError(f"{what} out of range [0, {num_slots}): min {lo}, max {hi}")
     return cpu
 
 

@@ -544,8 +544,7 @@ class TierCache(AsyncResource):
             raise InvalidInputError(
                 "free_device: some of these slots belong to an open request (it frees them)"
             )
-        if books.leased(pages):
-            raise StateError("device slots with a copy in flight cannot be freed; await its ack")
+        books.check_unleased(pages)
         # The ledger's release wakes the waiters for room.
         books.free(pages, fence=ready_ev)
 

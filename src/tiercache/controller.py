@@ -23,6 +23,7 @@ and `ControllerStats` live in acks.py and are re-exported here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import threading
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from tiercache.acks import ControllerStats, CopyAck, LoadHandle, await_or_releas
 from tiercache.copy_scheduler import CopyScheduler, Pages
 from tiercache.errors import ClosedError, ConfigError, InvalidInputError, StateError
 from tiercache.ledger import Lease, Ledger, PoolLedger
-from tiercache.memory.allocator import PageAllocator, check_slot_pages, page_ids
+from tiercache.memory.allocator import PageAllocator, check_slot_pages, copy_slots, page_ids
 from tiercache.memory.pools import DeviceKVPool, HostKVPool
 from tiercache.ready_fences import Ready, ReadyFences
 from tiercache.storage.keys import StorageNamespace
@@ -65,14 +66,40 @@ class ControllerState(enum.Enum):
 
 
 #: `TierController.backup` and `load_back` of at least this many slots yield to
-#: the loop once before their synchronous part (checks and bookkeeping, which
-#: read every slot: about a millisecond at 256k slots), so that it never runs
-#: in one loop step with whatever the caller did before the call.
+#: the loop before their synchronous part, and once more between its two
+#: halves (`_checked_apart`): the check of the caller's slots, which reads
+#: every one (about a millisecond at 256k slots), and the bookkeeping. Neither
+#: then runs in one loop step with whatever the caller did before the call,
+#: nor with the other.
 _YIELD_SLOTS = 1 << 16
 
 
 def _is_large(indices: object) -> bool:
     return isinstance(indices, torch.Tensor) and indices.numel() >= _YIELD_SLOTS
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Checked:
+    """Slots that passed `check_slot_pages`, copied (ours, not the caller's),
+    with their page ids: `_copy_source` takes them without reading them again."""
+
+    slots: torch.Tensor
+    pages: Pages
+
+
+async def _checked_apart(given: object, page_size: int, num_slots: int, what: str) -> _Checked:
+    """The first half of a large copy verb, in its own loop step: ``given`` checked
+    and copied (a pure function of the caller's tensor), then one more yield
+    before the bookkeeping, which decides on the page ids alone (the caller's
+    tensor is not read again: changing it meanwhile changes nothing).
+
+    Raises:
+        InvalidInputError: bad slots (as `check_slot_pages`).
+    """
+    slots, pages = check_slot_pages(given, page_size, num_slots, what)
+    own = _Checked(copy_slots(slots), pages)
+    await asyncio.sleep(0)
+    return own
 
 
 def _op_args(priority: object, node_id: object, track: object) -> tuple[int, int | None, bool]:
@@ -125,7 +152,10 @@ def _copy_source(
             failed copy left some without their KV.
     """
     name, filling, busy, spoiled = _REFUSALS[kind]
-    slots, pages = check_slot_pages(given, page_size, books.num_slots, name)
+    if isinstance(given, _Checked):
+        slots, pages = given.slots, given.pages
+    else:
+        slots, pages = check_slot_pages(given, page_size, books.num_slots, name)
     if not books.allocated(pages):
         raise InvalidInputError(f"{name} include slots that are not allocated")
     if books.leased(pages, filling):
@@ -140,7 +170,7 @@ def _own(source: tuple[torch.Tensor, Pages], given: object) -> tuple[torch.Tenso
     tensor ``given``, which it may reuse after the call: a queued copy reads them
     when it runs, and its ack hands them out."""
     slots, pages = source
-    return (slots.clone() if slots is given else slots), pages
+    return (copy_slots(slots) if slots is given else slots), pages
 
 
 def _allocator(given: object, num_slots: int, page_size: int, pool: str) -> PageAllocator:
@@ -680,21 +710,18 @@ class TierController(StorageVerbs, AsyncResource):
         Cancelling the caller does not stop the copy; its host slots are freed
         when it finishes, so nothing leaks. A failed copy frees them and raises.
 
-        With 65,536 slots or more, the call yields to the loop once before it
-        queues the copy (the checks read every slot), so that this work and
-        the caller's own before the call never stall the loop together.
-        ``ready`` is still resolved when called.
+        With 65,536 slots or more, the call yields to the loop before it
+        checks ``device_indices`` (which reads every slot) and again before
+        it queues the copy, so that neither part runs in one loop step with
+        the other or with the caller's own work before the call. Only a copy
+        of the slots is read after the check. ``ready`` is still resolved
+        when called.
         """
-        if _is_large(device_indices):
-            ready = self.ready_event(ready, "backup")  # ordered after what came before the call
-            await asyncio.sleep(0)
-        dev, priority, _, _, ready_ev = self._copy_args(
-            "write", device_indices, priority, None, False, ready, "backup"
-        )
+        queued, made = await _begin_copy(self, "write", device_indices, priority, ready, "backup")
+        if queued is None:
+            return made
         copies = self._copies
-        if copies.copies_now("write", dev):
-            return copies.copy_now("write", dev[1])
-        ack = copies.queue_write(_own(dev, device_indices), priority, None, False, ready_ev)
+        ack = copies.queue_write(queued[0], queued[1], None, False, queued[2])
         if ack is None:
             return None
         copies.schedule_start("write")  # also with auto_start_writes off: nobody else may
@@ -719,18 +746,13 @@ class TierController(StorageVerbs, AsyncResource):
             The device slots (the caller owns them), or ``None`` when device memory is full.
 
         Cancel-safe like `backup`: the device slots of an abandoned load are
-        freed once its copy finishes. Large loads yield once first, as in `backup`.
+        freed once its copy finishes. Large loads yield twice, as in `backup`.
         """
-        if _is_large(host_indices):
-            ready = self.ready_event(ready, "load_back")
-            await asyncio.sleep(0)
-        host, priority, _, _, ready_ev = self._copy_args(
-            "load", host_indices, priority, None, False, ready, "load_back"
-        )
+        queued, made = await _begin_copy(self, "load", host_indices, priority, ready, "load_back")
+        if queued is None:
+            return made
         copies = self._copies
-        if copies.copies_now("load", host):
-            return copies.copy_now("load", host[1])
-        ack = copies.queue_load(_own(host, host_indices), priority, None, False, ready_ev)
+        ack = copies.queue_load(queued[0], queued[1], None, False, queued[2])
         if ack is None:
             return None
         copies.schedule_start("load")
@@ -778,14 +800,15 @@ class TierController(StorageVerbs, AsyncResource):
             InvalidInputError / DoubleFreeError: bad or unallocated slots, bad ``ready``.
         """
         self._check_open()
+        if ready is None and self._fences.cpu and self.ledger.device.free_if_one(device_indices):
+            return self.layout.page_size  # one page, by its id: no fence to keep
         if checked:
             dev, pages = device_indices, page_ids(device_indices, self.layout.page_size)
         else:
             dev, pages = check_slot_pages(
                 device_indices, self.layout.page_size, self.device_pool.num_slots, "device_indices"
             )
-        if self.ledger.device.leased(pages):
-            raise StateError("device slots with a copy in flight cannot be freed; await its ack")
+        self.ledger.device.check_unleased(pages)
         # The ledger refuses a double free before it changes anything: only
         # then is the fence kept (on the freed pages) and are the waiters woken.
         self.ledger.device.free(pages, fence=self.ready_event(ready, "free_device"))
@@ -817,6 +840,8 @@ class TierController(StorageVerbs, AsyncResource):
             InvalidInputError / DoubleFreeError: bad or unallocated slots.
         """
         self._check_open()
+        if self.ledger.host.free_if_one(host_indices):
+            return self.layout.page_size
         host, pages = check_slot_pages(
             host_indices, self.layout.page_size, self.host_pool.num_slots, "host_indices"
         )
@@ -848,3 +873,40 @@ class TierController(StorageVerbs, AsyncResource):
 
     def __repr__(self) -> str:
         return f"TierController({self.layout.describe()}, state={self.state.value})"
+
+
+async def _begin_copy(
+    ctl: TierController,
+    kind: Literal["write", "load"],
+    given: torch.Tensor,
+    priority: int,
+    ready: Ready,
+    what: str,
+) -> tuple[tuple[tuple[torch.Tensor, Pages], int, Any] | None, torch.Tensor | None]:
+    """The start of `TierController.backup` (``kind`` write) and `load_back`: a
+    copy made in the call (one page by its id, or a few pages checked), or the
+    checked arguments of a queued one; a large input is checked in a loop step
+    of its own (`_checked_apart`).
+
+    Returns:
+        ``(None, new slots or None)`` when the copy was made in the call (``None``:
+        a full pool), else ``((source, priority, ready event), None)``.
+    """
+    ctl._check_open()
+    copies = ctl._copies
+    if ready is None and priority.__class__ is int:  # one page in the call: by its id
+        if (page := copies.page_now(kind, given)) is not None:
+            return None, copies.copy_one(kind, page)
+    checked: object = given
+    if _is_large(given):
+        ready = ctl.ready_event(ready, what)  # ordered after what came before the call
+        await asyncio.sleep(0)
+        pool = ctl.device_pool if kind == "write" else ctl.host_pool
+        name = _REFUSALS[kind][0]
+        checked = await _checked_apart(given, ctl.layout.page_size, pool.num_slots, name)
+    src, priority, _, _, ready_ev = ctl._copy_args(
+        kind, checked, priority, None, False, ready, what
+    )
+    if copies.copies_now(kind, src):
+        return None, copies.copy_now(kind, src[1])
+    return (_own(src, given), priority, ready_ev), None

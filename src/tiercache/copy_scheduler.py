@@ -32,6 +32,7 @@ import torch
 from tiercache.acks import ControllerStats, CopyAck, LoadHandle, run_callback, settle
 from tiercache.errors import StateError
 from tiercache.ledger import Lease, Ledger, PoolLedger, live_fences
+from tiercache.memory.allocator import cat_slots, one_page
 from tiercache.observe import active as observe_active
 from tiercache.observe import observe
 from tiercache.transfer.engine import CopyEngine
@@ -80,7 +81,7 @@ def _merged(ops: list[_Operation]) -> tuple[torch.Tensor, torch.Tensor]:
     if len(ops) == 1:
         return ops[0].host_indices, ops[0].device_indices
     ops.sort(key=lambda o: o.priority)
-    return torch.cat([o.host_indices for o in ops]), torch.cat([o.device_indices for o in ops])
+    return cat_slots([o.host_indices for o in ops]), cat_slots([o.device_indices for o in ops])
 
 
 def _finished(error: BaseException | None) -> concurrent.futures.Future[None]:
@@ -169,6 +170,8 @@ class CopyScheduler:
         self._device = engine.device_pool.device
         self._cuda = self._device.type == "cuda"
         self._token_bytes = engine.device_pool.layout.token_bytes
+        self._page_size = engine.device_pool.layout.page_size
+        self._page_bytes = engine.device_pool.layout.page_bytes
         self._loop: asyncio.AbstractEventLoop | None = None
         self._source: object = None
         self.write_stream: CopyStream | None = None
@@ -196,15 +199,19 @@ class CopyScheduler:
         self.load_stream = CopyStream("load", self._device, source=source)
 
     async def close_streams(self) -> None:
-        """Stop both copy streams (after their current copy), off the loop thread.
+        """Stop both copy streams (after their current copy), off the loop thread,
+        then the engine's own helper thread (started by a large copy made in
+        the call, with ``inline_copy_bytes`` raised that far).
 
         The closing goes on when the caller is cancelled (it is shielded).
         """
         streams = [s for s in (self.write_stream, self.load_stream) if s is not None]
+        engine = self.engine
 
         def close_streams() -> None:
             for s in streams:
                 s.close()
+            engine.close()
 
         closer = asyncio.ensure_future(asyncio.to_thread(close_streams))
         await asyncio.shield(closer)
@@ -325,6 +332,36 @@ class CopyScheduler:
             and (kind == "write" or not self.ledger.host.leased(src[1], Lease.FILL))
         )
 
+    def page_now(self, kind: Literal["write", "load"], given: object) -> int | None:
+        """The page id of ``given`` when a copy of ``kind`` reading it is made in the call
+        by `copy_one`: ``given`` is one whole page (`one_page`) a copy may read now
+        (`PoolLedger.readable`), on a device `copies_now` accepts. ``None`` otherwise,
+        bad input included: the checked path then decides (and says what is wrong).
+        """
+        if self._cuda or self._page_bytes > self.inline_copy_bytes or not self.engine.copies_pages:
+            return None
+        books = self.ledger.device if kind == "write" else self.ledger.host
+        page = one_page(given, self._page_size, books.num_slots)
+        if page is None or not books.readable(page):
+            return None
+        return page
+
+    def copy_one(self, kind: Literal["write", "load"], page: int) -> torch.Tensor | None:
+        """`copy_now` of the one page ``page`` (from `page_now`), by its id."""
+        write = kind == "write"
+        into = self.ledger.host if write else self.ledger.device
+        new = into.alloc_one()
+        if new is None:
+            self._full(write)
+            return None
+        pair = ([new], [page]) if write else ([page], [new])
+        self._copy_pages(kind, *pair, lambda: into.free_one(new))
+        into.filled(new)
+        if write:
+            self.ledger.device.copied_out(page)
+        self._copied(kind, self._page_bytes)
+        return into.page_slots(new)
+
     def copy_now(self, kind: Literal["write", "load"], src_pages: Pages) -> torch.Tensor | None:
         """Copy the (checked) pages ``src_pages`` into new slots of the other pool, in this call.
 
@@ -342,19 +379,39 @@ class CopyScheduler:
         into = host if write else dev
         got = into.alloc(src_pages.size * self.engine.layout.page_size)
         if got is None:
-            if write:
-                self.stats.host_full += 1
-            else:
-                self.stats.device_full += 1
+            self._full(write)
             return None
         slots, new_pages = got
-        host_pages, dev_pages = (new_pages, src_pages) if write else (src_pages, new_pages)
+        pair = (new_pages, src_pages) if write else (src_pages, new_pages)
+        self._copy_pages(kind, pair[0].tolist(), pair[1].tolist(), lambda: into.free(new_pages))
+        into.filled(new_pages)
+        if write:
+            dev.copied_out(src_pages)
+        self._copied(kind, slots.numel() * self._token_bytes)
+        return slots
+
+    def _full(self, write: bool) -> None:
+        """Count a copy in the call that found its destination pool full."""
+        if write:
+            self.stats.host_full += 1
+        else:
+            self.stats.device_full += 1
+
+    def _copy_pages(
+        self,
+        kind: Literal["write", "load"],
+        host_pages: list[int],
+        dev_pages: list[int],
+        free_new: Callable[[], None],
+    ) -> None:
+        """The copy of a copy in the call; a failure frees the new pages (``free_new``),
+        is counted and raised. Timed for a listening latency sink."""
         timed = observe_active()
         started = time.perf_counter() if timed else 0.0
         try:
-            self.engine.copy_pages(write, host_pages.tolist(), dev_pages.tolist())
+            self.engine.copy_pages(kind == "write", host_pages, dev_pages)
         except BaseException as e:
-            into.free(new_pages)
+            free_new()
             self.stats.copy_errors += 1
             logger.warning("a %s copy of 1 operation failed: %r", kind, e)
             if timed:
@@ -362,18 +419,18 @@ class CopyScheduler:
             raise
         if timed:
             observe("copy", kind, time.perf_counter() - started, source=self._source)
-        into.filled(new_pages)
-        nbytes = slots.numel() * self._token_bytes
-        if write:
-            dev.copied_out(dev_pages)
-            self.stats.writes += 1
-            self.stats.write_batches += 1
-            self.stats.bytes_device_to_host += nbytes
+
+    def _copied(self, kind: Literal["write", "load"], nbytes: int) -> None:
+        """Count a copy in the call as one queued operation of ``nbytes``."""
+        stats = self.stats
+        if kind == "write":
+            stats.writes += 1
+            stats.write_batches += 1
+            stats.bytes_device_to_host += nbytes
         else:
-            self.stats.loads += 1
-            self.stats.load_batches += 1
-            self.stats.bytes_host_to_device += nbytes
-        return slots
+            stats.loads += 1
+            stats.load_batches += 1
+            stats.bytes_host_to_device += nbytes
 
     # -- device -> host -------------------------------------------------------
 

@@ -146,9 +146,11 @@ class Inserter:
         """
         ps = self.page_size
         k = int(cached.numel())
-        mine = dev[:k].view(-1, ps)
-        same = (mine == cached.view(-1, ps)).all(dim=1) if k else torch.zeros(0, dtype=torch.bool)
-        fresh = torch.cat([mine[~same].reshape(-1), dev[k:]])
+        # numpy, not torch, over slots: see `copy_slots`.
+        mine = dev[:k].numpy().reshape(-1, ps)
+        kept = (mine == cached.numpy().reshape(-1, ps)).all(axis=1)
+        same = torch.from_numpy(kept)
+        fresh = torch.from_numpy(np.concatenate([mine[~kept].reshape(-1), dev[k:].numpy()]))
         if not fresh.numel():
             return same
         books = self.controller.ledger.device

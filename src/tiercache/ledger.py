@@ -41,7 +41,7 @@ import numpy.typing as npt
 import torch
 
 from tiercache.errors import InvalidInputError, StateError
-from tiercache.memory.allocator import PageAllocator
+from tiercache.memory.allocator import PageAllocator, one_page
 
 __all__ = ["Lease", "Ledger", "Owner", "PoolLedger", "live_fences"]
 
@@ -226,11 +226,7 @@ class PoolLedger:
         counts, owners = self._counts, self._owner
         to = int(owner)  # a plain int: numpy converts an IntEnum slowly
         if pages.size == 1:  # one page (most operations)
-            p = int(pages[0])
-            counts[owners[p]] -= 1
-            owners[p] = to
-            counts[to] += 1
-            counts[Owner.FREE] = 0
+            self._own_one(int(pages[0]), to)
             return
         if pages.size > _SMALL:
             for o, k in enumerate(np.bincount(owners[pages], minlength=4).tolist()):
@@ -242,6 +238,78 @@ class PoolLedger:
                 owners[p] = to
         counts[to] += int(pages.size)
         counts[Owner.FREE] = 0
+
+    def _own_one(self, page: int, to: int) -> None:
+        """`_set_owner` of one page, ``to`` a plain int."""
+        counts, owners = self._counts, self._owner
+        counts[owners[page]] -= 1
+        owners[page] = to
+        counts[to] += 1
+        counts[0] = 0  # FREE is not counted
+
+    # -- one page by its id: the one-page verbs -----------------------------------
+
+    def alloc_one(self) -> int | None:
+        """`alloc` of one page for `Owner.CALLER`: its page id, or ``None`` when the pool is full."""
+        page = self._allocator.alloc_one()
+        if page is not None:
+            self._own_one(page, 1)  # Owner.CALLER
+        return page
+
+    def page_slots(self, page: int) -> torch.Tensor:
+        """The slots of page ``page`` (a new tensor)."""
+        return self._allocator.page_slots(page)
+
+    def readable(self, page: int) -> bool:
+        """Whether page ``page`` is allocated, no copy or prefetch fills it, and its bytes are whole:
+        what a copy out of it needs (the checked path says which one fails)."""
+        return (
+            self._allocator.holds(page)
+            and not self._leases[1, page]  # Lease.FILL
+            and not self._leases[2, page]  # Lease.FETCH
+            and not (self._any_spoiled and self._spoiled[page])
+        )
+
+    def free_one(self, page: int) -> None:
+        """`free` of one page id, with no fence.
+
+        Raises:
+            StateError / DoubleFreeError: as `free`.
+        """
+        if self._busy[page]:
+            self.check_unleased(np.array([page]))  # raises
+        self._allocator.free_one(page)
+        self._own_one(page, 0)  # Owner.FREE
+        if self._any_spoiled:
+            self._spoiled[page] = False
+        if self._any_producers:
+            self._producers[page] = None
+        self._released()
+
+    def check_unleased(self, pages: Pages) -> None:
+        """Refuse to free ``pages`` while a lease holds one of them.
+
+        Raises:
+            StateError: a copy or a storage call holds a lease on some page.
+        """
+        if self.leased(pages):
+            raise StateError(
+                f"{self.name} slots that a copy or a storage call still uses cannot be freed; "
+                "await its ack or its end"
+            )
+
+    def free_if_one(self, given: object) -> bool:
+        """`free_one` of ``given`` when it is the slots of one whole page (`one_page`);
+        ``False`` (nothing done) otherwise: the caller takes the checked path.
+
+        Raises:
+            StateError / DoubleFreeError: as `free`.
+        """
+        page = one_page(given, self.page_size, self._allocator.num_slots)
+        if page is None:
+            return False
+        self.free_one(page)
+        return True
 
     def free(self, pages: Pages, *, fence: object = None) -> None:
         """Free ``pages``: refused while a lease holds one, checked before anything changes.
@@ -256,11 +324,7 @@ class PoolLedger:
         """
         if not pages.size:
             return
-        if self.leased(pages):
-            raise StateError(
-                f"{self.name} slots that a copy or a storage call still uses cannot be freed; "
-                "await its ack or its end"
-            )
+        self.check_unleased(pages)
         self._allocator.free_pages(pages)  # refuses a double free before it changes anything
         self._set_owner(pages, Owner.FREE)
         if self._any_spoiled:
@@ -355,12 +419,13 @@ class PoolLedger:
         self._spoiled[pages] = True
         self._any_spoiled = True
 
-    def filled(self, pages: Pages, producer: object = None) -> None:
-        """A copy into ``pages`` landed (``producer``: the event it landed at, on CUDA)."""
+    def filled(self, pages: Pages | int, producer: object = None) -> None:
+        """A copy into ``pages`` (or one page id) landed (``producer``: the event it
+        landed at, on CUDA)."""
         if self._any_spoiled:
             self._spoiled[pages] = False
         if producer is not None:
-            self.set_producer(pages, producer)
+            self.set_producer(np.asarray(pages).reshape(-1), producer)
         elif self._any_producers:
             self._producers[pages] = None
 
@@ -407,8 +472,9 @@ class PoolLedger:
             return []
         return live_fences(self._producers[pages].tolist())
 
-    def copied_out(self, pages: Pages) -> None:
-        """A copy out of ``pages`` landed: their producers are done, nothing waits for them again."""
+    def copied_out(self, pages: Pages | int) -> None:
+        """A copy out of ``pages`` (or of one page id) landed: their producers are done,
+        nothing waits for them again."""
         if self._any_producers:
             self._producers[pages] = None
 

@@ -27,6 +27,7 @@ from tiercache.controller import CopyAck, LoadHandle, TierController
 from tiercache.errors import StateError
 from tiercache.index.radix import MatchResult, Node, RadixIndex
 from tiercache.ledger import Lease, Owner
+from tiercache.memory.allocator import cat_slots
 
 __all__ = ["LoadBacks", "LoadOp", "Started", "TakeRoom"]
 
@@ -139,7 +140,7 @@ class LoadBacks:
         if not path:
             return None, None
         ctl = self.controller
-        host = torch.cat([n.host_indices for n in path if n.host_indices is not None])
+        host = cat_slots([n.host_indices for n in path if n.host_indices is not None])
         ack = ctl.submit_load(host, node_id=target.id, track=False)
         if ack is None:
             return None

@@ -32,6 +32,8 @@ class ReadyFences:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
+        #: No fence to resolve: a CPU device (``ready`` must then be ``None``).
+        self.cpu = not self._cuda
         #: The stream the engine's forward pass runs on (`use_compute_stream`).
         self.compute_stream: torch.cuda.Stream | None = None
         #: CUDA: the side stream where a caller's event is pinned; made on first use.

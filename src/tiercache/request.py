@@ -23,6 +23,7 @@ from tiercache._checks import check_count, check_slot_tensor, token_list
 from tiercache.controller import LoadHandle, Ready, TierController
 from tiercache.errors import InvalidInputError, StateError
 from tiercache.index.radix import Node
+from tiercache.memory.allocator import cat_slots
 
 __all__ = ["Request", "RequestLease", "RequestPort"]
 
@@ -203,7 +204,7 @@ class Request:
         own = self._lease.held_pages().size * ps
         slots = await self._port.alloc(-(-more // ps) * ps, own, self._lease)
         self._spare = slots[more:]
-        return torch.cat([spare, slots[:more]])
+        return cat_slots([spare, slots[:more]])
 
     async def commit(
         self,
@@ -256,7 +257,8 @@ class Request:
             raise InvalidInputError(
                 f"device_indices has {slots.numel()} slots for {len(toks)} tokens: one per token"
             )
-        if not torch.equal(slots[: self.cached_tokens], self.prefix_indices.cpu()):
+        prefix = slots[: self.cached_tokens].numpy()  # numpy on the loop: see `copy_slots`
+        if not np.array_equal(prefix, self.prefix_indices.cpu().numpy()):
             raise InvalidInputError("device_indices must start with the request's prefix_indices")
         ps = port.page_size
         n = len(toks) // ps * ps

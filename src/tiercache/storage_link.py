@@ -26,6 +26,7 @@ from tiercache._tasks import TaskGroup
 from tiercache.acks import ControllerStats
 from tiercache.errors import BackendUnavailableError, InvalidInputError, StateError
 from tiercache.ledger import Lease, PoolLedger
+from tiercache.memory.allocator import copy_slots
 from tiercache.memory.pools import HostKVPool
 from tiercache.storage.base import BackendState, StorageBackend
 from tiercache.storage.keys import StorageNamespace
@@ -283,7 +284,7 @@ class StorageLink:
         cached_tokens = check_cached_tokens(cached_tokens, self._page_size)
         if self.tier is None:
             return None
-        host = host.clone() if host is host_indices else host  # it fills them later
+        host = copy_slots(host) if host is host_indices else host  # it fills them later
         return self.tier.prefetch(
             request_id, host, tokens, last_hash, cached_tokens=cached_tokens, checked=True
         )
@@ -334,7 +335,7 @@ class StorageLink:
         if self.tier is None:
             return None
         # It reads them batch by batch, later: the caller may reuse its own at once.
-        host = host.clone() if host is host_indices else host
+        host = copy_slots(host) if host is host_indices else host
         return self.tier.write_storage(
             host,
             tokens,

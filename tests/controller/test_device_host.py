@@ -827,7 +827,10 @@ async def test_a_large_transfer_yields_before_its_checks_and_a_small_one_does_no
             out = await c.load_back(host)
             assert out is not None
             assert all(torch.equal(a, b) for a, b in zip(kv_at(c, out), kv_at(c, src), strict=True))
-        assert checked_after == [pages * ps >= 1 << 16]
+        if pages * ps >= 1 << 16:
+            assert checked_after == [True]
+        else:  # checked by its page id (no `_copy_source`), and no loop step at all
+            assert checked_after == [] and ran == []
 
 
 async def test_calls_from_another_thread_or_loop_are_refused_and_change_nothing() -> None:
@@ -897,3 +900,68 @@ def test_between_loop_runs_the_opening_thread_may_call_synchronous_verbs() -> No
         loop.run_until_complete(c.aclose())
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("verb", ["backup", "load_back"])
+async def test_a_large_transfer_checks_its_slots_and_queues_in_two_loop_steps(
+    verb: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """backup / load_back of 64k slots or more read the caller's slots once, in a
+    loop step of their own, and decide (state checks, allocation, queueing) in a
+    later one, from the page ids: the caller's tensor changed between the two
+    changes nothing."""
+    ps = 16
+    n = 1 << 16
+    async with make(
+        layers=1,
+        heads=1,
+        dim=4,
+        page_size=ps,
+        device_slots=2 * n,
+        host_slots=n,
+        inline_copy_bytes=0,
+    ) as c:
+        src, host = await backed_up(c, n) if verb == "load_back" else (None, None)
+        dev = c.device_allocator.alloc(n) if verb == "backup" else None
+        given = dev if verb == "backup" else host
+        assert given is not None
+        original = given.clone()
+        loop = asyncio.get_running_loop()
+        step = [0]
+
+        def tick() -> None:
+            step[0] += 1
+            loop.call_soon(tick)
+
+        loop.call_soon(tick)
+        seen: dict[str, list[int]] = {"check": [], "queue": []}
+        real_check = controller_module.check_slot_pages
+
+        def check(indices: object, *args: object, **kw: object) -> object:
+            if indices is given:
+                seen["check"].append(step[0])
+                # The caller reuses its tensor once the check's step is over:
+                # nothing may read it again.
+                loop.call_soon(given.fill_, 0)
+                return real_check(indices, *args, **kw)  # type: ignore[arg-type]
+            return real_check(indices, *args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(controller_module, "check_slot_pages", check)
+        queue = "queue_write" if verb == "backup" else "queue_load"
+        real_queue = getattr(c._copies, queue)
+
+        def queued(*args: object) -> object:
+            seen["queue"].append(step[0])
+            return real_queue(*args)
+
+        monkeypatch.setattr(c._copies, queue, queued)
+        out = await (c.backup(given) if verb == "backup" else c.load_back(given))
+        assert out is not None
+        assert len(seen["check"]) == 1 and len(seen["queue"]) == 1
+        assert seen["queue"][0] > seen["check"][0] > 0
+        if verb == "backup":
+            assert torch.equal(c.host_pool.layer(0, 0)[out], c.device_pool.buffers[0][0][original])
+        else:
+            assert src is not None
+            assert all(torch.equal(a, b) for a, b in zip(kv_at(c, out), kv_at(c, src), strict=True))
+        c.ledger.check_invariants()

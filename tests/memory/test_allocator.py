@@ -4,7 +4,7 @@ import torch
 
 from tiercache import DeviceKVPool, HostKVPool, KVLayout, PageAllocator, TierController
 from tiercache.errors import DoubleFreeError, InvalidInputError
-from tiercache.memory.allocator import check_slot_indices
+from tiercache.memory.allocator import check_slot_indices, check_slot_pages, one_page
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -304,7 +304,8 @@ def test_one_page_comes_back_from_the_pages_freed_last() -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_no_page_is_handed_out_twice_whatever_the_order_of_allocs_and_frees(seed: int) -> None:
     """A model of the pool against the allocator: one-page and longer
-    allocations, frees of one or many pages, merges of the free list."""
+    allocations (`alloc_one` among them), frees of one or many pages
+    (`free_one` among them), merges of the free list."""
     rng = np.random.default_rng(seed)
     ps, pages = 4, 64
     a = PageAllocator(pages * ps, ps)
@@ -315,12 +316,19 @@ def test_no_page_is_handed_out_twice_whatever_the_order_of_allocs_and_frees(seed
             k = int(rng.integers(1, min(len(held), 12) + 1))
             batch = [held.pop(int(rng.integers(len(held)))) for _ in range(k)]
             slots = torch.cat(batch)
-            a.free(slots)
+            if k == 1 and rng.random() < 0.5:
+                a.free_one(int(slots[0]) // ps)
+            else:
+                a.free(slots)
             for p in (slots[::ps] // ps).tolist():
                 owned.remove(p)
         else:
             need = 1 if rng.random() < 0.6 else int(rng.integers(2, 9))
-            got = a.alloc(need * ps)
+            if need == 1 and rng.random() < 0.5:
+                page = a.alloc_one()
+                got = None if page is None else a.page_slots(page)
+            else:
+                got = a.alloc(need * ps)
             if got is None:
                 assert a.available < need * ps
                 continue
@@ -330,3 +338,73 @@ def test_no_page_is_handed_out_twice_whatever_the_order_of_allocs_and_frees(seed
             held.extend(got.view(-1, ps))
         assert a.available == (pages - len(owned)) * ps
         assert all(a.is_allocated(torch.arange(p * ps, (p + 1) * ps)) for p in owned)
+
+
+def test_the_one_page_verbs_refuse_a_double_free_and_a_full_pool() -> None:
+    a = PageAllocator(2 * 4, 4)
+    first, second = a.alloc_one(), a.alloc_one()
+    assert (first, second) == (0, 1) and a.alloc_one() is None and a.available == 0
+    assert torch.equal(a.page_slots(1), torch.arange(4, 8))
+    a.free_one(1)
+    with pytest.raises(DoubleFreeError):
+        a.free_one(1)
+    assert a.available == 4 and a.holds(0) and not a.holds(1)
+    assert a.alloc_one() == 1  # the page freed last
+    a.free_one(0)
+    a.free_one(1)
+    assert a.alloc(8) is not None  # both free again, as one run after the merge
+
+
+def _one_page_cases(ps: int, num_slots: int) -> list[object]:
+    """Inputs of every kind: one good page, each defect of one page, more or
+    fewer slots, other types, dtypes, devices, layouts and shapes."""
+    good = torch.arange(ps, 2 * ps)
+    cases: list[object] = [
+        good,
+        torch.arange(0, ps),
+        torch.arange(num_slots - ps, num_slots),
+        torch.arange(num_slots, num_slots + ps),  # past the end
+        torch.arange(-ps, 0),  # below zero
+        torch.arange(2 * ps, 4 * ps),  # two pages
+        good[:-1] if ps > 1 else torch.zeros(0, dtype=torch.int64),  # short
+        torch.arange(ps + 1, 2 * ps + 1),  # off its boundary
+        good.flip(0),
+        good.to(torch.int32),
+        good.float(),
+        good.view(1, -1),
+        good.tolist(),
+        good.numpy(),
+        torch.arange(0, 2 * ps)[::2],  # a strided view
+        torch.empty(ps, dtype=torch.int64, device="meta"),
+        good.to_sparse(),
+        good.as_subclass(_Slots),
+    ]
+    if ps > 1:
+        swapped = good.clone()
+        swapped[[0, 1]] = swapped[[1, 0]]
+        bumped = good.clone()
+        bumped[-1] += 1
+        cases += [swapped, bumped]
+    return cases
+
+
+class _Slots(torch.Tensor):
+    """A tensor subclass (its methods may do anything): the full check only."""
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_one_page_takes_exactly_the_single_pages_the_full_check_takes(ps: int) -> None:
+    """`one_page` is the one-page verbs' test: it never accepts what
+    `check_slot_pages` refuses, and when it accepts, the page id is the one the
+    full check finds; a plain CPU tensor of one page is always taken."""
+    num_slots = 8 * ps
+    for i, x in enumerate(_one_page_cases(ps, num_slots)):
+        got = one_page(x, ps, num_slots)
+        try:
+            pages = check_slot_pages(x, ps, num_slots)[1].tolist()
+        except InvalidInputError:
+            pages = None
+        if got is not None:
+            assert pages == [got], i
+        else:  # refused by both, or a subclass (CUDA tensors too: not on this machine)
+            assert pages is None or len(pages) != 1 or type(x) is not torch.Tensor, i

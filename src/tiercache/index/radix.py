@@ -53,6 +53,7 @@ import torch
 from tiercache._checks import check_count, check_extra_key, check_int, is_int, token_list
 from tiercache.errors import InvalidInputError, StateError
 from tiercache.index.hashing import page_hashes as _chain_hashes
+from tiercache.memory.allocator import cat_slots, copy_slots
 
 __all__ = [
     "InsertResult",
@@ -427,10 +428,7 @@ class RadixIndex:
         last = path[-1] if path else root
         # A new tensor, never a node's own: a caller that writes into it (an
         # engine reusing its index buffer) must not move the index's KV.
-        if len(dev) == 1:
-            device_indices = dev[0].clone()
-        else:
-            device_indices = torch.cat(dev) if dev else _EMPTY.clone()
+        device_indices = copy_slots(dev[0]) if len(dev) == 1 else cat_slots(dev)
         return MatchResult(
             device_indices=device_indices,
             last_device_node=last_device,
@@ -1201,7 +1199,7 @@ class RadixIndex:
         if indices.numel() != n:
             raise InvalidInputError(f"{what} has {indices.numel()} slots for {n} tokens")
         # The index keeps its own copy: the caller may reuse its tensor at once.
-        return indices.cpu() if indices.device.type != "cpu" else indices.clone()
+        return indices.cpu() if indices.device.type != "cpu" else copy_slots(indices)
 
     def __repr__(self) -> str:
         return (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from typing import NoReturn
 
 import numpy as np
@@ -13,7 +14,15 @@ import torch
 from tiercache._checks import check_count, check_positive
 from tiercache.errors import DoubleFreeError, InvalidInputError
 
-__all__ = ["PageAllocator", "check_slot_indices", "check_slot_pages", "page_ids"]
+__all__ = [
+    "PageAllocator",
+    "cat_slots",
+    "check_slot_indices",
+    "check_slot_pages",
+    "copy_slots",
+    "one_page",
+    "page_ids",
+]
 
 
 logger = logging.getLogger(__name__)
@@ -73,6 +82,53 @@ def check_slot_pages(
         return cpu, np.array(pages, dtype=np.int64)
     # numpy, not torch: each torch op costs several microseconds, numpy's about one.
     return cpu, _check_runs(cpu.numpy(), page_size, num_slots, what) // page_size
+
+
+def one_page(indices: object, page_size: int, num_slots: int) -> int | None:
+    """The page id of ``indices`` when they are one whole page of a pool of
+    ``num_slots`` slots, as `check_slot_pages` accepts it (a plain CPU ``int64``
+    1-D tensor); ``None`` otherwise, bad input included: the caller then takes
+    the checked path, which says what is wrong.
+
+    The one-page verbs' test (most operations): a few attribute reads and one
+    list, where the full check builds a page-id array.
+    """
+    if (
+        indices.__class__ is not torch.Tensor
+        or indices.dtype is not torch.int64
+        or not indices.is_cpu
+        or indices.layout is not torch.strided
+        or indices.dim() != 1
+        or indices.numel() != page_size
+    ):
+        return None
+    slots: list[int] = indices.tolist()
+    first = slots[0]
+    if first % page_size or first < 0 or first + page_size > num_slots:
+        return None
+    if page_size > 1 and slots != list(range(first, first + page_size)):
+        return None
+    return first // page_size
+
+
+def copy_slots(slots: torch.Tensor) -> torch.Tensor:
+    """A new CPU tensor holding ``slots`` (CPU ``int64``), made by numpy.
+
+    Slot tensors are copied and joined by numpy on the event loop, never by
+    torch: torch spreads a copy of 32k elements or more over an OpenMP team
+    started on the calling thread, whose threads then spin for milliseconds
+    at that thread's priority (the loop's), taking cores from the copy
+    streams (measured on 2 cores: such a spinner took 7 ms of CPU a 64 MiB
+    round trip, and the copies ran 1.5-2x slower). numpy copies on the caller.
+    """
+    return torch.from_numpy(slots.numpy().copy())
+
+
+def cat_slots(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``parts`` (CPU ``int64`` slot tensors) end to end, in a new tensor (see `copy_slots`)."""
+    if not parts:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.from_numpy(np.concatenate([p.numpy() for p in parts]))
 
 
 def page_ids(slots: torch.Tensor, page_size: int) -> npt.NDArray[np.int64]:
@@ -305,6 +361,30 @@ class PageAllocator:
         self._allocated[pages] = True
         return self._slots(pages, increasing=True), pages
 
+    def alloc_one(self) -> int | None:
+        """`alloc_pages` of one page: its page id (`page_slots` gives its slots), or ``None``."""
+        if self._recent:
+            page = self._recent.pop()
+            self._num_released -= 1
+        else:
+            if not self._free.size:
+                if not self._num_released:
+                    return None
+                self._merge_released()
+            page = int(self._free[0])
+            self._free = self._free[1:]
+        self._allocated[page] = True
+        return page
+
+    def page_slots(self, page: int) -> torch.Tensor:
+        """The slot indices of page ``page``: a new CPU ``int64`` tensor."""
+        first = page * self.page_size
+        return torch.from_numpy(np.arange(first, first + self.page_size, dtype=np.int64))
+
+    def holds(self, page: int) -> bool:
+        """Whether page ``page`` (a page id of this pool) is allocated."""
+        return bool(self._allocated[page])
+
     def free(self, indices: torch.Tensor, *, checked: bool = False) -> None:
         """Return slots obtained from `alloc`.
 
@@ -343,6 +423,14 @@ class PageAllocator:
             self._allocated[pages] = True  # every one was allocated: nothing changed
             raise DoubleFreeError("the same page is listed twice in one free")
         self._num_released += pages.size
+
+    def free_one(self, page: int) -> None:
+        """`free_pages` of one page id.
+
+        Raises:
+            DoubleFreeError: the page is not allocated.
+        """
+        self._free_few([page])
 
     def _free_few(self, pages: list[int]) -> None:
         """`free_pages` of a few pages, as Python ints (numpy's per-call cost dominates there)."""
