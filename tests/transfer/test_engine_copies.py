@@ -546,9 +546,14 @@ def test_long_runs_copy_in_pieces_shared_with_the_helper_yielding_after_each(
     assert all(torch.equal(got[b][x], want[b][x]) for b in range(2) for x in range(3))
     assert layers == [0, 1, 2]
     tokens = len(h)
-    # The backup: one piece per (buffer, layer) and 3 tokens, none longer.
-    assert len(backed_up) == LAYOUT.num_buffers * LAYOUT.num_layers * -(-tokens // 3)
-    assert all(dst.shape[0] <= 3 for _, dst in backed_up)
+    if stacked and host_layout == "page_first":
+        # Written in the host's order: a row is a token of every layer (3 rows
+        # of one layer make a piece: one token a piece), a pair a buffer.
+        assert len(backed_up) == LAYOUT.num_buffers * tokens
+        assert all(dst.shape[:2] == (1, LAYOUT.num_layers) for _, dst in backed_up)
+    else:  # a piece per (buffer, layer) and 3 tokens, none longer
+        assert len(backed_up) == LAYOUT.num_buffers * LAYOUT.num_layers * -(-tokens // 3)
+        assert all(dst.shape[0] <= 3 for _, dst in backed_up)
     loaded = log.calls[len(backed_up) :]
     if stacked:  # a token of K and V is one row of a joint pool: pieces of one token
         assert len(loaded) == LAYOUT.num_layers * tokens

@@ -839,13 +839,20 @@ class CopyEngine:
                 dst_all[:, h0 : h0 + n].copy_(src.transpose(1, 2))
 
     def _backup_pairs(self) -> list[tuple[Rows, Rows]]:
-        """``(host rows, device rows)`` of every buffer and layer of a joint pool (numpy
-        views), for the long runs of a backup."""
+        """``(host rows, device rows)`` of a joint pool (numpy views), for the long runs
+        of a backup, in the host's order: a ``layer_first`` host holds a buffer's
+        layer contiguously (a pair a buffer and layer), a ``page_first`` one a
+        token's layers together (a pair a buffer, a row a token of every layer:
+        the host is written in order, as torch's copy did; a pair a layer wrote
+        2 KiB every 32 KiB and ran at 0.65 of memcpy)."""
         pairs = self._backup_pairs_cache
         if pairs is None:
             dev, host = self._page_arrays()
             B, L = self.layout.num_buffers, self.layout.num_layers
-            pairs = [(host[b, x], dev[b, x]) for b in range(B) for x in range(L)]
+            if self.host_pool.host_layout == "layer_first":
+                pairs = [(host[b, x], dev[b, x]) for b in range(B) for x in range(L)]
+            else:
+                pairs = [(host[b].swapaxes(0, 1), dev[b].swapaxes(0, 1)) for b in range(B)]
             self._backup_pairs_cache = pairs
         return pairs
 
