@@ -325,12 +325,14 @@ class CopyScheduler:
         call's own. A load of host pages a write still fills is queued
         instead, ordered after that write.
         """
-        return (
-            not self._cuda
-            and src[0].numel() * self._token_bytes <= self.inline_copy_bytes
-            and self.engine.copies_pages
-            and (kind == "write" or not self.ledger.host.leased(src[1], Lease.FILL))
+        return self._in_call(src[0].numel() * self._token_bytes) and (
+            kind == "write" or not self.ledger.host.leased(src[1], Lease.FILL)
         )
+
+    def _in_call(self, nbytes: int) -> bool:
+        """Whether this device and engine make a copy of ``nbytes`` in the call: a CPU
+        device pool allocated as one tensor, and at most ``inline_copy_bytes``."""
+        return not self._cuda and nbytes <= self.inline_copy_bytes and self.engine.copies_pages
 
     def page_now(self, kind: Literal["write", "load"], given: object) -> int | None:
         """The page id of ``given`` when a copy of ``kind`` reading it is made in the call
@@ -338,7 +340,7 @@ class CopyScheduler:
         (`PoolLedger.readable`), on a device `copies_now` accepts. ``None`` otherwise,
         bad input included: the checked path then decides (and says what is wrong).
         """
-        if self._cuda or self._page_bytes > self.inline_copy_bytes or not self.engine.copies_pages:
+        if not self._in_call(self._page_bytes):
             return None
         books = self.ledger.device if kind == "write" else self.ledger.host
         page = one_page(given, self._page_size, books.num_slots)

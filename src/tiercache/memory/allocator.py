@@ -102,7 +102,12 @@ def one_page(indices: object, page_size: int, num_slots: int) -> int | None:
         or indices.numel() != page_size
     ):
         return None
-    slots: list[int] = indices.tolist()
+    return _one_run(indices.tolist(), page_size, num_slots)
+
+
+def _one_run(slots: list[int], page_size: int, num_slots: int) -> int | None:
+    """The page id of ``slots`` (a page's worth, as ints) when they are one whole,
+    aligned page in ``[0, num_slots)``; ``None`` otherwise."""
     first = slots[0]
     if first % page_size or first < 0 or first + page_size > num_slots:
         return None
@@ -178,10 +183,9 @@ def _check_small_runs(slots: list[int], page_size: int, num_slots: int, what: st
     if not slots:
         return []
     if len(slots) == page_size:  # one page (most operations): one run to compare
-        first = slots[0]
-        if 0 <= first and first + page_size <= num_slots and not first % page_size:
-            if slots == list(range(first, first + page_size)):
-                return [first // page_size]
+        page = _one_run(slots, page_size, num_slots)
+        if page is not None:
+            return [page]
     lo, hi = min(slots), max(slots)
     if lo < 0 or hi >= num_slots:
         raise InvalidInputError(f"{what} out of range [0, {num_slots}): min {lo}, max {hi}")
@@ -345,10 +349,7 @@ class PageAllocator:
             )
         need = num_tokens // self.page_size
         if need == 1 and self._recent:
-            page = self._recent.pop()
-            self._allocated[page] = True
-            self._num_released -= 1
-            one = np.array([page], dtype=np.int64)
+            one = np.array([self.alloc_one()], dtype=np.int64)  # the page freed last
             one.flags.writeable = False
             return self._slots(one, increasing=True), one
         if need > self._free.size:
